@@ -1,0 +1,64 @@
+// The one description of a validated tree-attention call, shared by every backend.
+//
+// `prepare()` is the only place the op contract is checked. Backends receive a
+// `Prepared` whose tensors already satisfy: stride(-1) == 1 for q/k/v, a mask that is
+// either bool or float32, offsets that are int32 (or absent), and a `Problem` with all
+// sizes and element strides the kernels need.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+
+namespace tree_attn {
+
+enum class MaskKind : int32_t { Bool = 0, Additive = 1 };
+
+struct Problem {
+  int64_t B = 0;    // batch rows
+  int64_t Hq = 0;   // query heads
+  int64_t Hkv = 0;  // key/value heads
+  int64_t G = 0;    // Hq / Hkv, query heads per kv head
+  int64_t T = 0;    // tree nodes (queries) per batch row
+  int64_t S = 0;    // key/value capacity
+  int64_t D = 0;    // head dim
+  int64_t M = 0;    // mask window width: keys [off_b, off_b + M) follow the mask
+  at::ScalarType dtype = at::kFloat;
+
+  // Element strides, ordered (batch, head, row, dim) for q/k/v and
+  // (batch, query head, query row, window column) for the mask; broadcast dims are 0.
+  int64_t q_stride[4] = {0, 0, 0, 0};
+  int64_t k_stride[4] = {0, 0, 0, 0};
+  int64_t v_stride[4] = {0, 0, 0, 0};
+  int64_t mask_stride[4] = {0, 0, 0, 0};
+  MaskKind mask_kind = MaskKind::Bool;
+
+  bool has_offsets = false;
+  float scale = 1.0f;
+  float softcap = 0.0f;  // 0 means off
+
+  bool empty() const { return B == 0 || Hq == 0 || T == 0; }
+};
+
+struct Prepared {
+  at::Tensor query, key, value;  // stride(-1) == 1
+  at::Tensor mask;               // bool or float32, original (broadcast) strides
+  at::Tensor offsets;            // int32 [B] contiguous, undefined when has_offsets is false
+  Problem p;
+};
+
+// Where the offsets live decides what can be checked: reading them on MPS/CUDA would
+// force a device sync, so there kernels clamp instead (see README, "Offsets").
+enum class OffsetCheck { OnHost, ClampInKernel };
+
+Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& mask, const c10::optional<at::Tensor>& mask_offset,
+                 c10::optional<double> scale, c10::optional<double> softcap,
+                 OffsetCheck offset_check);
+
+// Output buffers with the layout every backend (and the fake) returns.
+at::Tensor empty_output(const Prepared& in);
+at::Tensor empty_lse(const Prepared& in);
+
+}  // namespace tree_attn

@@ -1,0 +1,188 @@
+"""The op contract's parity matrix, shared by every backend's tests (CPU, Metal
+simulator, MPS).
+
+A `Case` describes one call; `make_inputs` builds its tensors with NaN in every cache
+slot the contract says is never read; `check_against_reference` compares a backend's
+output with the float64 reference.
+"""
+import dataclasses
+import itertools
+import math
+import random
+from typing import Optional
+
+import torch
+
+from torch_tree_attn.reference import tree_attention_reference
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 96, 128, 256)
+
+# Output error is bounded by the inputs' rounding (q/k/v are stored in `dtype`, the
+# reference sees exactly those values) plus float32 accumulation and the rounding of
+# the result to `dtype`.
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int = 1
+    Hq: int = 4
+    Hkv: int = 1
+    T: int = 5
+    S: int = 48
+    D: int = 64
+    dtype: torch.dtype = torch.float32
+    # "bool", "float" (0 / -inf bias plus small finite biases), "float_min" (finfo.min as
+    # the masked value, in the query dtype, as Hugging Face builds it)
+    mask_kind: str = "bool"
+    # "compact": M = T tree window after a prefix; "dense": M = S with offsets 0;
+    # "empty": M = 0, prefix only
+    window: str = "compact"
+    # "none" (mask_offset=None), "same", "varied" (different per batch row)
+    offsets: str = "varied"
+    # "contiguous" [B, Hkv, S, D] or "bshd" ([B, S, Hkv, D] storage passed transposed)
+    kv_layout: str = "contiguous"
+    # "none" full [B, Hq, T, M]; "batch" [1, T, M]; "heads" [B, 1, T, M]; "3d" [B, T, M]
+    mask_shape: str = "3d"
+    softcap: Optional[float] = None
+    scale: Optional[float] = None
+    offset_dtype: torch.dtype = torch.int64
+    seed: int = 0
+
+    @property
+    def M(self) -> int:
+        return {"compact": self.T, "dense": self.S, "empty": 0}[self.window]
+
+    def __str__(self):
+        parts = [f"B{self.B}", f"H{self.Hq}/{self.Hkv}", f"T{self.T}", f"S{self.S}", f"D{self.D}",
+                 str(self.dtype).replace("torch.", ""), self.mask_kind, self.window, f"off-{self.offsets}",
+                 self.kv_layout, f"mask-{self.mask_shape}"]
+        if self.softcap is not None:
+            parts.append(f"cap{self.softcap}")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale}")
+        return "-".join(parts)
+
+
+def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestor-or-self mask of a random tree whose nodes are ordered parents first."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def _offsets(case: Case, gen: torch.Generator) -> Optional[torch.Tensor]:
+    if case.window == "dense" or case.offsets == "none":
+        return None
+    hi = case.S - case.M
+    if case.offsets == "same":
+        vals = [hi // 2] * case.B
+    else:
+        # Cover the edges: an empty prefix and a window ending exactly at S.
+        vals = [int(torch.randint(0, hi + 1, (1,), generator=gen)) for _ in range(case.B)]
+        if case.B >= 2:
+            vals[0], vals[1] = 0, hi
+    return torch.tensor(vals, dtype=case.offset_dtype)
+
+
+def make_inputs(case: Case, device="cpu") -> dict:
+    """Tensors for one call; every key slot at or beyond off_b + M holds NaN."""
+    gen = torch.Generator().manual_seed(case.seed)
+    B, Hq, Hkv, T, S, D, M = case.B, case.Hq, case.Hkv, case.T, case.S, case.D, case.M
+    query = torch.randn(B, Hq, T, D, generator=gen).to(case.dtype)
+    if case.kv_layout == "bshd":
+        key = torch.randn(B, S, Hkv, D, generator=gen).to(case.dtype).transpose(1, 2)
+        value = torch.randn(B, S, Hkv, D, generator=gen).to(case.dtype).transpose(1, 2)
+    else:
+        key = torch.randn(B, Hkv, S, D, generator=gen).to(case.dtype)
+        value = torch.randn(B, Hkv, S, D, generator=gen).to(case.dtype)
+
+    offsets = _offsets(case, gen)
+    offs = [0] * B if offsets is None else offsets.tolist()
+    for b, off in enumerate(offs):
+        key[b, :, off + M:] = float("nan")
+        value[b, :, off + M:] = float("nan")
+
+    # Window visibility: a tree for compact windows, a causal-plus-random mask for dense.
+    mb = 1 if case.mask_shape == "batch" else B
+    mh = Hq if case.mask_shape == "none" else 1
+    if case.window == "compact":
+        vis = torch.stack([random_tree_mask(T, gen) for _ in range(mb * mh)]).view(mb, mh, T, M)
+    else:
+        vis = torch.rand(mb, mh, T, M, generator=gen) < 0.6
+    if T > 1 and M > 0 and case.mask_kind != "float_min":
+        # One row that sees nothing in the window. Not with finfo.min masks: a row whose
+        # every key carries finfo.min is not empty but a softmax over scores quantised by
+        # the huge bias, which no float32 kernel reproduces.
+        vis[..., -1, :] = False
+    if case.mask_kind == "bool":
+        mask = vis
+    else:
+        fill = torch.finfo(case.dtype).min if case.mask_kind == "float_min" else -math.inf
+        bias = torch.randn(vis.shape, generator=gen) * 0.5
+        mask = torch.where(vis, bias, torch.tensor(fill)).to(case.dtype if case.mask_kind == "float_min" else torch.float32)
+    if case.mask_shape in ("3d", "batch"):
+        mask = mask[:, 0]
+    query, key, value, mask = (t.to(device) for t in (query, key, value, mask))
+    return dict(query=query, key=key, value=value, mask=mask,
+                mask_offset=None if offsets is None else offsets.to(device),
+                scale=case.scale, softcap=case.softcap)
+
+
+def check_against_reference(out: torch.Tensor, lse: Optional[torch.Tensor], inputs: dict) -> None:
+    q = inputs["query"]
+    ref_out, ref_lse = tree_attention_reference(**inputs)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    out = out.detach().cpu()
+    assert not torch.isnan(out).any(), "NaN in output"
+    torch.testing.assert_close(out.double(), ref_out.to(q.dtype).double(), **TOLERANCE[q.dtype])
+    if lse is not None:
+        assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+        lse = lse.detach().cpu().double()
+        empty = torch.isneginf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), empty), "rows that see no key must give lse -inf"
+        assert (out[empty] == 0).all(), "rows that see no key must give output 0"
+        lse_tol = dict(LSE_TOLERANCE)
+        if q.dtype != torch.float32:
+            lse_tol = dict(atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(lse[~empty], ref_lse[~empty], **lse_tol)
+
+
+def parity_matrix() -> list:
+    """The contract's matrix: every dtype x D x GQA ratio x T x mask kind x window, with
+    the remaining dimensions (offsets, K/V layout, mask broadcast, softcap, scale)
+    rotated through so each value meets each dtype and D."""
+    cases = []
+    rotate = itertools.cycle([
+        dict(offsets="varied", kv_layout="contiguous", mask_shape="3d"),
+        dict(offsets="same", kv_layout="bshd", mask_shape="none", softcap=20.0),
+        dict(offsets="none", kv_layout="contiguous", mask_shape="batch", offset_dtype=torch.int32),
+        dict(offsets="varied", kv_layout="bshd", mask_shape="heads", scale=0.07),
+    ])
+    rng = random.Random(1234)
+    seed = 0
+    for dtype, D in itertools.product(DTYPES, HEAD_DIMS):
+        for G, T in itertools.product((1, 4, 8), (1, 5, 64, 100)):
+            for mask_kind, window in (("bool", "compact"), ("float", "dense"), ("float_min", "compact"),
+                                      (rng.choice(["bool", "float"]), "empty")):
+                extra = dict(next(rotate))
+                Hkv = rng.choice([1, 2]) if G * T <= 256 else 1
+                B = 2 if T <= 64 else 1
+                S = T + rng.choice([0, 3, 37, 70]) if window != "empty" else rng.choice([1, 33, 70])
+                if window == "dense":
+                    S = max(S, T)
+                seed += 1
+                cases.append(Case(B=B, Hq=G * Hkv, Hkv=Hkv, T=T, S=S, D=D, dtype=dtype, mask_kind=mask_kind,
+                                  window=window, seed=seed, **extra))
+    return cases

@@ -1,0 +1,15 @@
+"""torch-tree-attn: verify a speculative-decoding draft tree in one attention call.
+
+Importing this package loads the C++ extension, which registers the operators
+``torch.ops.tree_attn.forward`` and ``torch.ops.tree_attn.forward_with_lse`` for every
+backend built on this machine, and registers their fake (meta) implementations so they
+trace under ``torch.compile``.
+"""
+import torch
+
+from . import _C  # noqa: F401  (registers the operators)
+from . import _fake  # noqa: F401  (registers the fake implementations)
+from .ops import tree_attention
+
+__all__ = ["tree_attention"]
+__version__ = "0.1.0"

@@ -1,0 +1,53 @@
+"""The Python entry point of the op."""
+from typing import Optional, Tuple, Union
+
+import torch
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    mask_offset: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention of draft-tree queries over a KV cache: each query sees the committed
+    prefix and the keys its mask allows.
+
+    Args:
+        query: ``[B, Hq, T, D]``; float32, float16 or bfloat16. D in {64, 96, 128, 256}.
+        key, value: ``[B, Hkv, S, D]`` with ``Hq % Hkv == 0`` (GQA/MQA), the query's dtype.
+            S may be a static cache's capacity. Any strides with ``stride(-1) == 1`` are
+            used without a copy (e.g. a ``[B, S, Hkv, D]`` cache passed as
+            ``.transpose(1, 2)``); other layouts are copied.
+        mask: bool (True = attend) or floating (additive bias; ``-inf`` or very negative
+            = masked), shape ``[B or 1, T, M]`` or ``[B or 1, 1 or Hq, T, M]``; size-1
+            dims broadcast. It covers the key window ``[off_b, off_b + M)``.
+        mask_offset: int32/int64 ``[B]`` on the query's device, or None for all zeros.
+            For batch row b, keys ``j < off_b`` are always attended (the committed
+            prefix), keys in the window follow the mask, keys ``j >= off_b + M`` are never
+            read. A dense HF mask is ``mask_offset=None, M=S``; the compact tree form is
+            an ancestor-or-self ``[B, T, T]`` mask with ``mask_offset=prefix_lens`` and
+            the tree's K/V at ``[off_b, off_b + T)``. ``M = 0`` (prefix only) is legal.
+            CPU checks ``0 <= off_b`` and ``off_b + M <= S``; MPS/CUDA do not read the
+            offsets on the host (that would sync) and clamp instead: keys outside
+            ``[0, S)`` are never read.
+        scale: score scale, default ``D ** -0.5``.
+        softcap: if set, ``softcap * tanh(s / softcap)`` of the scaled score ``s``,
+            applied before the mask's bias is added (Gemma-2 style).
+        return_lse: also return the float32 ``[B, Hq, T]`` log-sum-exp of the final
+            scores (natural log).
+
+    Returns:
+        ``[B, Hq, T, D]`` in the query dtype (accumulated in float32), and the lse if
+        asked. A query that sees no key gets output 0 and lse ``-inf``, never NaN.
+
+    Raises:
+        ValueError / TypeError naming the argument and the values seen.
+    """
+    if return_lse:
+        return torch.ops.tree_attn.forward_with_lse(query, key, value, mask, mask_offset, scale, softcap)
+    return torch.ops.tree_attn.forward(query, key, value, mask, mask_offset, scale, softcap)
