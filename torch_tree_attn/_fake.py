@@ -8,11 +8,11 @@ import torch
 
 
 def _out(query):
-    return query.new_empty(query.shape, memory_format=torch.contiguous_format)
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
 def _lse(query):
-    return query.new_empty(query.shape[:-1], dtype=torch.float32)
+    return torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
 
 
 def _forward_fake(query, key, value, mask, mask_offset=None, scale=None, softcap=None):

@@ -1,0 +1,506 @@
+"""transformers integration: attn_implementation="tree_attn" against eager / sdpa.
+
+Tiny random-initialised models (no downloads), float32 on CPU. Every tree verification is
+compared with the same weights running transformers' own "eager" (and "sdpa" where the
+model supports it) given the equivalent dense 4D additive mask, built here by loops from
+the definition: a tree node sees the committed prefix, its ancestors and itself; on
+sliding-window layers additionally only keys less than `window` positions behind it.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    StaticCache,
+    masking_utils,
+)
+
+import torch_tree_attn.hf as hf
+
+hf.register()
+
+VOCAB = 97
+WINDOW = 6  # sliding window of the Mistral / Gemma configs: smaller than the prefixes below
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA
+    head_dim=64,
+    max_position_embeddings=128,
+    # Larger than the default 0.02 so that attention is far from uniform and masking,
+    # windows and softcapping change the logits visibly.
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _build(kind):
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**COMMON))
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**COMMON))
+    if kind == "mistral":  # every layer sliding
+        return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW))
+    if kind == "gemma2":  # sliding + full layers, attention logit softcapping
+        config = Gemma2Config(
+            **COMMON,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=64,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        return Gemma2ForCausalLM(config)
+    if kind == "gemma3":
+        config = Gemma3TextConfig(
+            **COMMON,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=64,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        return Gemma3ForCausalLM(config)
+    raise AssertionError(kind)
+
+
+_MODELS = {}
+
+
+def model_for(kind):
+    if kind not in _MODELS:
+        torch.manual_seed(1234)
+        _MODELS[kind] = _build(kind).eval()
+    return _MODELS[kind]
+
+
+def references_for(kind):
+    # Gemma 2 declares no sdpa support (softcapping), so only eager there.
+    return ["eager"] if kind == "gemma2" else ["eager", "sdpa"]
+
+
+# ----------------------------------------------------------------------------------------
+# Reference masks, written from the definition with plain loops
+# ----------------------------------------------------------------------------------------
+
+
+def reference_bias(anc, slot, key_len, padding=None, window=None):
+    """float32 additive mask [B, 1, T, key_len] for a tree written at cache slot `slot`.
+
+    anc: bool [B, T, T] ancestor-or-self. padding: bool [B, slot] (False = padded) or None.
+    The key tensor ends at slot + T when it is shorter than that (a sliding layer that
+    evicted old keys): key index j then holds cache slot j + evicted.
+    """
+    B, T, _ = anc.shape
+    evicted = max(0, slot + T - key_len)
+    bias = torch.full((B, 1, T, key_len), torch.finfo(torch.float32).min)
+    for b in range(B):
+        for i in range(T):
+            depth = int(anc[b, i].sum()) - 1
+            for j in range(key_len):
+                a = j + evicted
+                if a < slot:
+                    ok = padding is None or bool(padding[b, a])
+                    if window is not None:
+                        ok = ok and (slot + depth) - a < window
+                elif a < slot + T:
+                    ok = bool(anc[b, i, a - slot])
+                else:
+                    ok = False
+                if ok:
+                    bias[b, 0, i, j] = 0.0
+    return bias
+
+
+def sliding_key_len(cache_kind, prefix_len, tree_len, max_cache_len):
+    """Key length transformers' sliding cache layers hand to attention for the tree forward."""
+    if cache_kind == "dynamic":
+        return min(prefix_len, WINDOW - 1) + tree_len
+    capacity = min(WINDOW, max_cache_len)
+    if prefix_len >= capacity:
+        return capacity - 1 + tree_len
+    return max(capacity, prefix_len + tree_len)
+
+
+def reference_masks(model, anc, slot, cache_kind, max_cache_len, padding=None):
+    config = model.config
+    full_len = slot + anc.shape[-1] if cache_kind == "dynamic" else max_cache_len
+    full = reference_bias(anc, slot, full_len, padding)
+    if getattr(config, "sliding_window", None) is None:
+        return full
+    sliding = reference_bias(
+        anc, slot, sliding_key_len(cache_kind, slot, anc.shape[-1], max_cache_len), padding, window=WINDOW
+    )
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral: every layer slides
+        return sliding
+    return {"full_attention": full, "sliding_attention": sliding}
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------
+
+PARENTS = [
+    torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6]),
+    torch.tensor([-1, 0, 1, 2, 0, 4, 1, 3]),
+]
+
+
+def ancestor_mask(parents):
+    """bool [B, T, T] ancestor-or-self, by walking up the parent pointers."""
+    batch, tree_len = parents.shape
+    mask = torch.zeros(batch, tree_len, tree_len, dtype=torch.bool)
+    for b in range(batch):
+        for i in range(tree_len):
+            node = i
+            while node >= 0:
+                mask[b, i, node] = True
+                node = int(parents[b, node])
+    return mask
+
+
+def make_cache(kind, model, max_cache_len):
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def prefill(model, impl, cache, prompt, padding=None):
+    model.set_attn_implementation(impl)
+    if padding is None:
+        with torch.no_grad():
+            model(prompt, cache=cache, use_cache=True)
+        return
+    position_ids = (padding.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(prompt, attention_mask=padding.long(), position_ids=position_ids, cache=cache, use_cache=True)
+
+
+def tree_inputs(batch, slot, padding=None, seed=0, tree_len=8):
+    generator = torch.Generator().manual_seed(seed)
+    parents = torch.stack([PARENTS[b % len(PARENTS)][:tree_len] for b in range(batch)])
+    tokens = torch.randint(3, VOCAB, parents.shape, generator=generator)
+    anc = ancestor_mask(parents)
+    depth = anc.sum(-1) - 1
+    real_prefix = torch.full((batch,), slot) if padding is None else padding.sum(-1)
+    return tokens, parents, anc, real_prefix[:, None] + depth
+
+
+def prompt_and_padding(batch, prefix_len, left_pads, seed=0):
+    generator = torch.Generator().manual_seed(100 + seed)
+    prompt = torch.randint(3, VOCAB, (batch, prefix_len), generator=generator)
+    if not any(left_pads):
+        return prompt, None
+    padding = torch.ones(batch, prefix_len, dtype=torch.bool)
+    for b, pads in enumerate(left_pads):
+        padding[b, :pads] = False
+        prompt[b, :pads] = COMMON["pad_token_id"]
+    return prompt, padding
+
+
+def assert_logits_close(actual, expected):
+    torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Tree verification parity
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("left_pads", [(0, 0), (0, 3)], ids=["same-prefix", "left-padded"])
+def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
+    """One tree forward with tree_attn gives the logits eager / sdpa give with the
+    equivalent dense mask, for a batch of 2 (rows with different real prefix lengths are
+    left-padded: transformers' caches write every row at the same slot)."""
+    model = model_for(kind)
+    batch, slot = 2, 9
+    prompt, padding = prompt_and_padding(batch, slot, left_pads)
+    tokens, parents, anc, position_ids = tree_inputs(batch, slot, padding)
+    tree_len = tokens.shape[1]
+    max_cache_len = slot + tree_len + 5
+
+    cache = make_cache(cache_kind, model, max_cache_len)
+    prefill(model, "tree_attn", cache, prompt, padding)
+    if cache_kind == "static" and padding is None:
+        # The compact form never reads slots past the tree: poison them.
+        for layer in cache.layers:
+            if not layer.is_sliding:
+                layer.keys[:, :, slot + tree_len:] = math.nan
+                layer.values[:, :, slot + tree_len:] = math.nan
+    kwargs = {} if padding is None else {"attention_mask": padding.long()}
+    with torch.no_grad():
+        out = hf.tree_forward(model, tokens, parents, slot, cache, **kwargs).logits
+    assert torch.isfinite(out).all()
+
+    for impl in references_for(kind):
+        ref_cache = make_cache(cache_kind, model, max_cache_len)
+        prefill(model, impl, ref_cache, prompt, padding)
+        masks = reference_masks(model, anc, slot, cache_kind, max_cache_len, padding)
+        with torch.no_grad():
+            ref = model(tokens, position_ids=position_ids, attention_mask=masks, cache=ref_cache).logits
+        assert_logits_close(out, ref)
+        if cache_kind == "dynamic":
+            # The tree's K/V went to the same cache slots as the reference's (the last ones).
+            for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+                written = min(tree_len, layer.keys.shape[2])
+                torch.testing.assert_close(layer.keys[:, :, -written:], ref_layer.keys[:, :, -written:])
+    model.set_attn_implementation("tree_attn")
+
+
+def test_tree_verify_direct_model_call_with_per_row_prefix_tensor():
+    """The documented direct call (no helper), with past_key_values= and a tensor of prefix
+    lengths, matches eager."""
+    model = model_for("llama")
+    batch, slot = 2, 7
+    prompt, _ = prompt_and_padding(batch, slot, (0, 0), seed=3)
+    tokens, _, anc, position_ids = tree_inputs(batch, slot, seed=3)
+    results = {}
+    for impl in ("tree_attn", "eager"):
+        cache = DynamicCache(config=model.config)
+        prefill(model, impl, cache, prompt)
+        extra = (
+            dict(tree_mask=anc, tree_prefix_lens=torch.tensor([slot, slot]))
+            if impl == "tree_attn"
+            else dict(attention_mask=reference_bias(anc, slot, slot + tokens.shape[1]))
+        )
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5.24 prefers cache=
+            results[impl] = model(input_ids=tokens, position_ids=position_ids, past_key_values=cache, **extra).logits
+    model.set_attn_implementation("tree_attn")
+    assert_logits_close(results["tree_attn"], results["eager"])
+
+
+def test_tree_mode_intersects_a_user_dense_mask():
+    """A dense 4D mask given together with the tree arguments is intersected with the
+    tree structure: here it additionally hides two prefix keys of one row."""
+    model = model_for("llama")
+    batch, slot = 2, 7
+    prompt, _ = prompt_and_padding(batch, slot, (0, 0), seed=4)
+    tokens, _, anc, position_ids = tree_inputs(batch, slot, seed=4)
+    key_len = slot + tokens.shape[1]
+    hidden = torch.zeros(batch, 1, 1, key_len, dtype=torch.bool)
+    hidden[1, :, :, 2:4] = True
+    tree_args = dict(tree_mask=anc, tree_prefix_lens=torch.tensor([slot, slot]))
+    user_mask = ~hidden.expand(batch, 1, tokens.shape[1], key_len)  # bool, True = attend
+    bias = reference_bias(anc, slot, key_len).masked_fill(hidden, torch.finfo(torch.float32).min)
+    runs = {
+        "with user mask": ("tree_attn", dict(attention_mask=user_mask, **tree_args)),
+        "tree only": ("tree_attn", tree_args),
+        "eager": ("eager", dict(attention_mask=bias)),
+    }
+    results = {}
+    for name, (impl, extra) in runs.items():
+        cache = DynamicCache(config=model.config)
+        prefill(model, impl, cache, prompt)
+        with torch.no_grad():
+            results[name] = model(tokens, position_ids=position_ids, cache=cache, **extra).logits
+    model.set_attn_implementation("tree_attn")
+    assert_logits_close(results["with user mask"], results["eager"])
+    # Only the row whose keys the user mask hides changes.
+    assert_logits_close(results["with user mask"][0], results["tree only"][0])
+    assert not torch.allclose(results["with user mask"][1], results["tree only"][1], atol=1e-3)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeypatch):
+    """Without padding, tree mode never builds a [T, S] mask: transformers' dense mask
+    builder is not called, and every full-attention layer hands the op the [B, T, T] tree
+    mask with the prefix lengths as offsets."""
+    model = model_for(kind)
+    batch, slot = 2, 2  # prefix + tree within Gemma's window: its sliding layers stay compact too
+    tokens, parents, anc, _ = tree_inputs(batch, slot, tree_len=WINDOW - slot)
+    tree_len = tokens.shape[1]
+    prompt, _ = prompt_and_padding(batch, slot, (0, 0))
+    cache = make_cache(cache_kind, model, slot + tree_len + 3)
+    prefill(model, "tree_attn", cache, prompt)
+
+    calls = []
+
+    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
+        calls.append((tuple(key.shape), tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
+        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap)
+
+    def no_dense_masks(*args, **kwargs):
+        raise AssertionError("a dense mask was built in compact tree mode")
+
+    hf_tree_attention = hf.tree_attention
+    monkeypatch.setattr(hf, "tree_attention", spy)
+    monkeypatch.setattr(masking_utils, "sdpa_mask", no_dense_masks)
+    with torch.no_grad():
+        hf.tree_forward(model, tokens, parents, slot, cache)
+    assert len(calls) == model.config.num_hidden_layers
+    for key_shape, mask_shape, offsets in calls:
+        assert mask_shape == (batch, tree_len, tree_len), (key_shape, mask_shape)
+        assert offsets == [slot] * batch
+        assert key_shape[2] >= slot + tree_len
+
+
+def test_ordinary_decoding_without_padding_uses_compact_causal_masks(monkeypatch):
+    """Prefill and decoding without padding need no dense mask either: the op gets a
+    [T, T] lower triangle at the first query's cache slot."""
+    model = model_for("llama")
+    model.set_attn_implementation("tree_attn")
+    prompt, _ = prompt_and_padding(2, 6, (0, 0), seed=8)
+    calls = []
+
+    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
+        calls.append((tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
+        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap)
+
+    def no_dense_masks(*args, **kwargs):
+        raise AssertionError("a dense mask was built for a plain causal forward")
+
+    hf_tree_attention = hf.tree_attention
+    monkeypatch.setattr(hf, "tree_attention", spy)
+    monkeypatch.setattr(masking_utils, "sdpa_mask", no_dense_masks)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, cache=cache)
+        model(torch.tensor([[5], [6]]), cache=cache)
+    layers = model.config.num_hidden_layers
+    assert calls == [((1, 1, 6, 6), [0, 0])] * layers + [((1, 1, 1, 1), [6, 6])] * layers
+
+
+def test_tree_mode_rejects_bad_tree_arguments():
+    model = model_for("llama")
+    prompt, _ = prompt_and_padding(1, 5, (0,))
+    tokens = torch.tensor([[5, 6, 7]])
+    chain = torch.ones(1, 3, 3, dtype=torch.bool).tril()
+
+    def call(**tree_args):
+        cache = DynamicCache(config=model.config)
+        prefill(model, "tree_attn", cache, prompt)
+        with torch.no_grad():
+            model(tokens, cache=cache, **tree_args)
+
+    with pytest.raises(ValueError, match=r"tree_mask must have shape \[B=1 or 1, T=3, T=3\]"):
+        call(tree_mask=torch.ones(1, 4, 4, dtype=torch.bool), tree_prefix_lens=torch.tensor([5]))
+    with pytest.raises(TypeError, match="tree_mask must be bool"):
+        call(tree_mask=torch.zeros(1, 3, 3), tree_prefix_lens=torch.tensor([5]))
+    with pytest.raises(ValueError, match="needs both tree_mask and tree_prefix_lens"):
+        call(tree_mask=chain)
+    with pytest.raises(ValueError, match=r"tree_prefix_lens must have shape \[B=1\]"):
+        call(tree_mask=chain, tree_prefix_lens=torch.tensor([5, 5]))
+    with pytest.raises(ValueError, match=r"tree_prefix_lens \[4\] do not match the cache: .* slot \[5\]"):
+        call(tree_mask=chain, tree_prefix_lens=torch.tensor([4]))
+    cache = DynamicCache(config=model.config)
+    prefill(model, "tree_attn", cache, prompt)
+    with pytest.raises(ValueError, match=r"prefix_lens \[4\] must equal the cache length 5"):
+        hf.tree_forward(model, tokens[0], torch.tensor([-1, 0, 0]), 4, cache)
+
+
+# ----------------------------------------------------------------------------------------
+# Ordinary use: generation and dense masks
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind,cache_implementation",
+    [
+        ("llama", None),
+        ("llama", "static"),
+        ("qwen3", "static"),
+        ("mistral", None),
+        ("gemma2", None),
+        ("gemma2", "static"),
+    ],
+)
+def test_greedy_generation_matches_reference(kind, cache_implementation):
+    """generate() with a left-padded 2D mask gives the same tokens as sdpa (eager for
+    Gemma 2), prompts longer than the sliding window included."""
+    model = model_for(kind)
+    prompt, padding = prompt_and_padding(2, 9, (0, 3), seed=7)
+    outputs = {}
+    for impl in ("tree_attn", references_for(kind)[-1]):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outputs[impl] = model.generate(
+                prompt,
+                attention_mask=padding.long(),
+                max_new_tokens=8,
+                do_sample=False,
+                cache_implementation=cache_implementation,
+                pad_token_id=COMMON["pad_token_id"],
+            )
+    model.set_attn_implementation("tree_attn")
+    (ours, theirs) = outputs.values()
+    assert ours.shape == (2, 9 + 8)
+    assert torch.equal(ours, theirs)
+
+
+def test_ordinary_forward_logits_match_sdpa_with_user_4d_mask():
+    """A dense 4D mask passed the usual way reaches the op unchanged."""
+    model = model_for("qwen3")
+    tokens = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    keep[1, :, :, 0] = False
+    keep[1, :, 0, 0] = True
+    bias = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    logits = {}
+    for impl in ("tree_attn", "sdpa"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            logits[impl] = model(tokens, attention_mask=bias).logits
+    model.set_attn_implementation("tree_attn")
+    assert_logits_close(logits["tree_attn"], logits["sdpa"])
+
+
+# ----------------------------------------------------------------------------------------
+# torch.compile: consecutive verify steps, one graph
+# ----------------------------------------------------------------------------------------
+
+
+def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile():
+    """StaticCache + torch.compile(fullgraph=True): verify steps with changing prefix
+    lengths (a tensor), trees and positions reuse one graph and match eager mode."""
+    torch._dynamo.reset()
+    model = model_for("llama")
+    model.set_attn_implementation("tree_attn")
+    batch, tree_len, prefix_len = 1, 8, 6
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    prompt, _ = prompt_and_padding(batch, prefix_len, (0,), seed=11)
+    prefill(model, "tree_attn", cache, prompt)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+
+    generator = torch.Generator().manual_seed(12)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for step, accepted in enumerate([3, 1, 4]):
+            anc = ancestor_mask(PARENTS[step % 2][None])
+            tokens = torch.randint(3, VOCAB, (batch, tree_len), generator=generator)
+            inputs = dict(
+                input_ids=tokens,
+                position_ids=prefix_len + anc.sum(-1) - 1,
+                cache=cache,
+                tree_mask=anc,
+                tree_prefix_lens=torch.tensor([prefix_len]),
+            )
+            expected = model(**inputs).logits
+            cache.crop(-tree_len)
+            actual = compiled(**inputs).logits
+            assert_logits_close(actual, expected)
+            # Keep `accepted` tree slots as if they were the accepted path.
+            cache.crop(-(tree_len - accepted))
+            prefix_len += accepted
+            assert int(cache.get_seq_length()) == prefix_len
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]

@@ -1,0 +1,516 @@
+"""Hugging Face transformers integration: ``attn_implementation="tree_attn"``.
+
+After :func:`register`, any decoder-only model whose attention goes through transformers'
+``AttentionInterface`` (Llama, Qwen2/3, Mistral, Gemma 2/3, ...) can be loaded with
+``attn_implementation="tree_attn"`` (or switched with ``model.set_attn_implementation``)
+and then
+
+* runs ordinary prefill / decoding like ``"sdpa"`` / ``"eager"``: 2D padding masks,
+  causal masking, sliding windows, Gemma-2 logit softcapping, dense 4D masks passed by
+  the user (taken as final, as eager and sdpa take them);
+* verifies a whole draft tree in one forward::
+
+      model(input_ids=tree_tokens,                 # [B, T]
+            position_ids=prefix_lens[:, None] + depth,
+            cache=cache,                           # or past_key_values=cache
+            tree_mask=ancestor_mask,               # bool [B, T, T] ancestor-or-self
+            tree_prefix_lens=prefix_lens)          # int64 [B]: cache slot of node 0
+
+  Each layer's attention then calls :func:`torch_tree_attn.tree_attention` with
+  ``mask=tree_mask, mask_offset=tree_prefix_lens``: the cache slots before the tree are
+  visible, the tree follows its mask, slots past ``prefix + T`` are never read, and no
+  ``[T, S]`` mask exists anywhere (see "Dense fallbacks" for the cases that need one).
+
+How the mask reaches the op
+---------------------------
+transformers builds the masks once per forward (``create_causal_mask`` and friends)
+through the function registered in ``AttentionMaskInterface``; that function never sees
+the model's extra keyword arguments, so it cannot know that a forward is a tree
+verification. So it builds nothing of size ``[T, S]`` for causal masks: it returns a
+*causal spec*, a small int64 tensor ``[B, 1, 1, 2 + K]`` (the key index of the first
+query, the sliding window asked for, and the 2D padding flags of the ``K`` keys when
+anything is padded, else ``K = 0``). Being 4D it passes through ``generate()`` and the
+models untouched (transformers returns prepared 4D masks as they are); being integer it
+cannot be mistaken for a user's bool / float mask. :func:`tree_attention_forward`
+expands it only as far as the layer needs:
+
+* ordinary forward, no padding, window inactive: ``mask=tril(T, T)`` at
+  ``mask_offset=first query`` (decoding reads only keys up to the query);
+* tree forward, no padding, window inactive: the compact tree form above;
+* otherwise a bool ``[B, 1, T, S]`` mask built in the layer (see below).
+
+Masks with custom overlays (image-token blocks), chunked or bidirectional masks, and compiled
+single-token decoding into a static cache get the dense bool mask ``"sdpa"`` would get.
+
+Dense fallbacks
+---------------
+* Padding (a 2D ``attention_mask`` with zeros): padded keys are hidden, in tree mode on
+  top of the tree structure.
+* A dense 4D mask together with ``tree_mask``: intersected with the tree structure (keys
+  before the tree: as the dense mask says; tree keys: also only ancestors-or-self; keys
+  after the tree: never).
+* A sliding-window layer whose key tensor is longer than the window. In tree mode the
+  window counts tree positions: node i at ``prefix + depth(i)`` sees cache slot ``p``
+  iff ``prefix + depth(i) - p < window`` (transformers' own masks would count cache
+  slots, which is wrong for all but a chain). transformers' sliding cache layers keep
+  at most ``window - 1`` old keys, so such masks are at most ``[B, 1, T, window - 1 + T]``.
+  The window comes from the layer's ``sliding_window`` argument (checked against the
+  mask's on CPU outside compiled code).
+
+Batching
+--------
+transformers' caches write every batch row at the same cache slot, so within one
+forward all rows' trees start at the same slot ``L`` (the cache length):
+``tree_prefix_lens`` is ``L`` in every row. Rows with shorter real prefixes are
+left-padded: pass the 2D ``attention_mask`` ``[B, L + T]`` and position ids that count
+real tokens only (:func:`tree_forward` does both). The op itself takes per-row offsets,
+so a cache that writes rows at different slots would work unchanged.
+
+torch.compile
+-------------
+The attention and mask functions trace with ``fullgraph=True``. With a ``StaticCache``
+and ``tree_prefix_lens`` passed as a tensor (same shape every step), consecutive verify
+steps reuse one graph. A Python int / list for ``tree_prefix_lens`` is accepted but
+becomes a constant of the graph (a recompile whenever it changes). Models with
+sliding-window layers (Mistral, Gemma) get transformers' ``StaticSlidingWindowLayer``,
+which tracks its length in a Python int that the graph guards on: those recompile per
+new cache length in transformers 5.24 whatever the attention, and once past the window
+the layer cannot be rolled back (``crop``) after a verify step.
+
+Not supported (clear errors): attention dropout, attention sinks (``s_aux``), a float
+``tree_mask``. ``output_attentions`` returns no weights.
+
+Tested with transformers 5.24, where model forwards take ``cache=`` (``past_key_values=``
+is a deprecated alias) and mask functions get ``q_length`` / ``q_offset``. The mask
+function also accepts the ``cache_position`` form of earlier 5.x releases, and
+:func:`tree_forward` passes the cache under whichever name the model's forward declares,
+but only 5.24 is tested. Behaviour that depends on transformers' cache layouts (sliding
+layers evicting old keys; every batch row written at the same slot) is that of 5.24.
+"""
+import inspect
+from typing import Optional, Tuple
+
+import torch
+from transformers import masking_utils
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from .ops import tree_attention
+from .tree import ancestor_mask
+
+__all__ = ["register", "tree_attention_forward", "tree_attention_mask", "tree_forward"]
+
+def register(name: str = "tree_attn") -> None:
+    """Register the tree-attention implementation under ``name`` with transformers.
+
+    Registers :func:`tree_attention_forward` in ``AttentionInterface`` and
+    :func:`tree_attention_mask` in ``AttentionMaskInterface``. Idempotent. Call it before
+    ``from_pretrained(..., attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register: name must be a non-empty string, got {name!r}")
+    if "flash" in name:
+        # transformers routes every implementation whose name mentions "flash" through its
+        # flash-attention code paths (unpadded inputs, no 4D masks).
+        raise ValueError(
+            f"register: name must not contain 'flash' (transformers treats it as flash attention), got {name!r}"
+        )
+    AttentionInterface.register(name, tree_attention_forward)
+    AttentionMaskInterface.register(name, tree_attention_mask)
+
+
+# --------------------------------------------------------------------------------------
+# The mask function (AttentionMaskInterface)
+# --------------------------------------------------------------------------------------
+#
+# A "causal spec" stands in for a causal mask: int64 [B, 1, 1, 2 + K] holding
+#   [..., 0]   the key index of the first query (q_offset - kv_offset),
+#   [..., 1]   the sliding window transformers asked for (0: none),
+#   [..., 2:]  K = 0 when nothing is padded, else K = kv_length flags (1 = real key).
+# Its size is O(B * S) at worst, never O(T * S). It is 4D, so transformers passes it on
+# untouched (generate() included), and integer, so it cannot be confused with a user's
+# bool / float mask.
+
+_SPEC_FIRST_QUERY, _SPEC_WINDOW, _SPEC_PADDING = 0, 1, 2
+
+
+def tree_attention_mask(
+    batch_size: int,
+    q_length: Optional[int] = None,
+    kv_length: int = 0,
+    q_offset=None,
+    kv_offset: int = 0,
+    mask_function=masking_utils.causal_mask_function,
+    attention_mask: Optional[torch.Tensor] = None,
+    local_size: Optional[int] = None,
+    allow_is_causal_skip: bool = True,
+    device="cpu",
+    **kwargs,
+) -> Optional[torch.Tensor]:
+    """Mask function for ``AttentionMaskInterface``.
+
+    For a causal mask (possibly with padding and a sliding window, without custom
+    overlays: transformers signals those with ``allow_is_causal_skip``) returns a causal
+    spec, int64 ``[batch_size, 1, 1, 2 + K]``, that :func:`tree_attention_forward`
+    expands only as far as the layer needs. Otherwise (custom overlays, chunked or
+    bidirectional masks, compiled single-token decoding into a static cache) returns what ``"sdpa"``
+    gets without its shortcut: a bool ``[batch_size, 1, q_length, kv_length]`` mask
+    (True = attend), or None for an unmasked bidirectional attention.
+    """
+    cache_position = kwargs.get("cache_position")
+    if q_length is None:
+        # Earlier transformers 5.x describe the queries by their cache positions instead.
+        if cache_position is None:
+            raise TypeError("tree_attention_mask: needs q_length (transformers >= 5.24) or cache_position")
+        q_length, q_offset = cache_position.shape[0], cache_position[0]
+        query_args = dict(cache_position=cache_position)
+        device = cache_position.device
+    else:
+        query_args = dict(q_length=q_length, q_offset=0 if q_offset is None else q_offset)
+    q_offset = 0 if q_offset is None else q_offset
+    config = kwargs.get("config")
+    # local_size is either the sliding window (which the spec carries) or another local
+    # pattern such as chunked attention (which it cannot express).
+    is_sliding_window = local_size is None or local_size == getattr(config, "sliding_window", None)
+    if not (allow_is_causal_skip and is_sliding_window):
+        kwargs.pop("cache_position", None)
+        return masking_utils.sdpa_mask(
+            batch_size=batch_size,
+            kv_length=kv_length,
+            kv_offset=kv_offset,
+            **query_args,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            allow_is_causal_skip=False,
+            device=device,
+            **kwargs,
+        )
+    header = torch.stack(
+        [
+            torch.as_tensor(q_offset, device=device, dtype=torch.int64).reshape(()) - kv_offset,
+            torch.tensor(local_size or 0, device=device, dtype=torch.int64),
+        ]
+    ).expand(batch_size, 2)
+    padding = _padding_of_keys(attention_mask, kv_length, kv_offset)
+    if padding is not None and not torch.compiler.is_compiling():
+        # Keys after the last query are hidden by causality anyway (a static cache's
+        # future slots): padding-free if every key up to there is real.
+        causal_end = int(q_offset) - kv_offset + q_length
+        if bool(padding[:, :causal_end].all()):
+            padding = None
+    if padding is not None:
+        header = torch.cat([header, padding.to(device=device, dtype=torch.int64).expand(batch_size, -1)], dim=1)
+    return header.reshape(batch_size, 1, 1, -1)
+
+
+def _padding_of_keys(attention_mask, kv_length, kv_offset):
+    """The 2D padding mask's flags for the layer's keys [kv_offset, kv_offset + kv_length);
+    slots the 2D mask does not cover (a static cache's future) count as padding."""
+    if attention_mask is None:
+        return None
+    missing = kv_offset + kv_length - attention_mask.shape[-1]
+    if missing > 0:
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, missing))
+    return attention_mask[:, kv_offset:kv_offset + kv_length]
+
+
+def _is_causal_spec(attention_mask) -> bool:
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1:3] == (1, 1)
+        and attention_mask.shape[3] >= 2
+        and not attention_mask.dtype.is_floating_point
+        and attention_mask.dtype != torch.bool
+    )
+
+
+class _CausalSpec:
+    """A decoded causal spec: first query index [B], padding bool [B, S] or None."""
+
+    def __init__(self, spec: torch.Tensor, key_len: int, sliding_window: Optional[int]):
+        spec = spec.reshape(spec.shape[0], -1)
+        self.first_query = spec[:, _SPEC_FIRST_QUERY]
+        padded_keys = spec.shape[1] - _SPEC_PADDING
+        if padded_keys == 0:
+            self.padding = None
+        elif padded_keys == key_len:
+            self.padding = spec[:, _SPEC_PADDING:] != 0
+        else:
+            raise ValueError(
+                f"tree_attn: the causal mask covers {padded_keys} keys but the layer has S={key_len}; "
+                "was the mask built for another layer type?"
+            )
+        # The window is applied from the layer's sliding_window argument (a Python int, so
+        # compiled graphs stay static); check it against the mask's where that is free.
+        if spec.device.type == "cpu" and not torch.compiler.is_compiling():
+            expected = int(spec[0, _SPEC_WINDOW])
+            if expected != (sliding_window or 0):
+                raise ValueError(
+                    f"tree_attn: transformers built this layer's mask with sliding window {expected or None} but the "
+                    f"attention layer passed sliding_window={sliding_window}; this model is not supported"
+                )
+
+
+# --------------------------------------------------------------------------------------
+# The attention function (AttentionInterface)
+# --------------------------------------------------------------------------------------
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    tree_mask: Optional[torch.Tensor] = None,
+    tree_prefix_lens=None,
+    **kwargs,
+) -> Tuple[torch.Tensor, None]:
+    """Attention function for ``AttentionInterface``.
+
+    query ``[B, Hq, T, D]`` (after RoPE), key/value ``[B, Hkv, S, D]`` after the cache
+    update, not repeated for GQA. ``attention_mask`` is what :func:`tree_attention_mask`
+    returned, a dense 4D mask passed by the user, or None. ``sliding_window`` and
+    ``softcap`` come from the attention layer. With ``tree_mask`` / ``tree_prefix_lens``
+    among the model's keyword arguments the forward is a tree verification. Returns
+    ``(attn_output [B, T, Hq, D], None)``.
+    """
+    if dropout:
+        raise ValueError(f"tree_attn: attention dropout is not supported (got dropout={dropout}); call model.eval()")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("tree_attn: attention sinks (s_aux) are not supported")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"tree_attn: sliding_window must be positive, got {sliding_window}")
+    key_len = key.shape[2]
+    spec = _CausalSpec(attention_mask, key_len, sliding_window) if _is_causal_spec(attention_mask) else None
+    dense = None if spec is not None else _check_dense_mask(attention_mask, query, key_len)
+    if tree_mask is not None or tree_prefix_lens is not None:
+        mask, mask_offset = _tree_mode_mask(query, key_len, spec, dense, tree_mask, tree_prefix_lens, sliding_window)
+    elif spec is not None:
+        mask, mask_offset = _causal_mask(query, key_len, spec, sliding_window)
+    elif dense is not None:
+        mask, mask_offset = dense, None  # a dense mask is final, as for eager and sdpa
+    else:
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        mask, mask_offset = _unmasked(query, key_len, is_causal)
+    out = tree_attention(query, key, value, mask, mask_offset, scaling, softcap)
+    return out.transpose(1, 2), None
+
+
+def _check_dense_mask(attention_mask, query, key_len):
+    if attention_mask is None:
+        return None
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
+        raise ValueError(
+            "tree_attn: expected a 4D attention mask [B, 1, T, S] or None, got "
+            f"{type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
+        )
+    return attention_mask.to(query.device)
+
+
+def _window_is_active(sliding_window, key_len):
+    # Every query is at most S - 1 positions after every key of the layer's S keys, so a
+    # window of at least S excludes nothing.
+    return sliding_window is not None and key_len > sliding_window
+
+
+def _causal_mask(query, key_len, spec, sliding_window):
+    batch, _, q_len, _ = query.shape
+    device = query.device
+    window_active = _window_is_active(sliding_window, key_len)
+    if spec.padding is None and not window_active:
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+        return causal[None, None], spec.first_query.expand(batch)
+    query_index = spec.first_query[:, None] + torch.arange(q_len, device=device)[None, :]  # [B, T]
+    distance = query_index[:, :, None] - torch.arange(key_len, device=device)[None, None, :]  # [B, T, S]
+    visible = distance >= 0
+    if window_active:
+        visible = visible & (distance < sliding_window)
+    if spec.padding is not None:
+        visible = visible & spec.padding[:, None, :]
+    return visible[:, None], None
+
+
+def _unmasked(query, key_len, is_causal):
+    batch, _, q_len, _ = query.shape
+    if is_causal and q_len > 1:
+        # sdpa's is_causal reading: upper-left aligned over the first T keys (a prefill,
+        # also into a larger static cache); keys >= T are never read.
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        return causal[None, None], None
+    # Everything visible: an empty window after all S keys ("keys < offset are attended").
+    everything = torch.ones(1, 1, q_len, 0, dtype=torch.bool, device=query.device)
+    return everything, torch.full((batch,), key_len, dtype=torch.int64, device=query.device)
+
+
+def _tree_mode_mask(query, key_len, spec, dense, tree_mask, tree_prefix_lens, sliding_window):
+    batch, _, q_len, _ = query.shape
+    device = query.device
+    if tree_mask is None or tree_prefix_lens is None:
+        raise ValueError(
+            "tree_attn: tree verification needs both tree_mask and tree_prefix_lens, got "
+            f"tree_mask={'None' if tree_mask is None else tuple(tree_mask.shape)}, "
+            f"tree_prefix_lens={'None' if tree_prefix_lens is None else tree_prefix_lens!r}"
+        )
+    tree_mask = _check_tree_mask(tree_mask, batch, q_len, device)
+    prefix = _check_prefix_lens(tree_prefix_lens, batch, device)
+    if dense is not None and dense.shape[-1] != key_len:
+        raise ValueError(
+            f"tree_attn: the 4D attention_mask covers {dense.shape[-1]} keys but the layer has S={key_len} "
+            f"(mask shape {tuple(dense.shape)})"
+        )
+    padding = spec.padding if spec is not None else None
+
+    tree_start = prefix
+    if sliding_window is not None:
+        # transformers' sliding cache layers may have evicted old keys: then the key tensor
+        # ends with the tree, and key index j holds cache slot j + evicted.
+        evicted = (prefix + q_len - key_len).clamp(min=0)
+        tree_start = prefix - evicted
+    if spec is not None and device.type == "cpu" and not torch.compiler.is_compiling():
+        # transformers knows where this forward's tokens went: the tree must start there.
+        if not bool((tree_start == spec.first_query).all()):
+            raise ValueError(
+                f"tree_attn: tree_prefix_lens {prefix.tolist()} do not match the cache: this forward's tokens "
+                f"were written at cache slot {spec.first_query.tolist()} of this layer's keys (transformers' "
+                "caches write every row at the cache length)"
+            )
+    # A dense mask is final (as for eager / sdpa): no window on top of it.
+    window_active = dense is None and _window_is_active(sliding_window, key_len)
+
+    if dense is None and padding is None and not window_active:
+        return tree_mask, tree_start
+
+    visible = _expand_tree_mask(tree_mask, tree_start, batch, q_len, key_len)
+    if padding is not None:
+        visible = visible & padding[:, None, :]
+    if window_active:
+        # By tree position: node i sits at prefix + depth(i), not at its cache slot.
+        depth = tree_mask.sum(dim=-1) - 1  # [B or 1, T]
+        query_pos = prefix[:, None] + depth  # [B, T]
+        key_pos = torch.arange(key_len, device=device)[None, :] + evicted[:, None]  # [B, S]
+        visible = visible & (query_pos[:, :, None] - key_pos[:, None, :] < sliding_window)
+    visible = visible[:, None]  # [B, 1, T, S]
+    if dense is None:
+        return visible, None
+    if dense.dtype == torch.bool:
+        return dense & visible, None
+    return torch.where(visible, dense, torch.tensor(float("-inf"), dtype=dense.dtype, device=device)), None
+
+
+def _expand_tree_mask(tree_mask, tree_start, batch, q_len, key_len):
+    """bool [B, T, S]: keys before the tree visible, tree keys per the tree mask, later keys not."""
+    rel = torch.arange(key_len, device=tree_mask.device)[None, :] - tree_start[:, None]  # [B, S]
+    in_tree = (rel >= 0) & (rel < q_len)
+    columns = rel.clamp(0, q_len - 1)[:, None, :].expand(batch, q_len, key_len)
+    tree_cols = torch.gather(tree_mask.expand(batch, q_len, q_len), 2, columns)
+    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_cols)
+
+
+def _check_tree_mask(tree_mask, batch, q_len, device):
+    if not isinstance(tree_mask, torch.Tensor):
+        raise TypeError(f"tree_attn: tree_mask must be a tensor, got {type(tree_mask).__name__}")
+    if tree_mask.dtype.is_floating_point or tree_mask.is_complex():
+        raise TypeError(f"tree_attn: tree_mask must be bool (True = ancestor-or-self), got {tree_mask.dtype}")
+    if tree_mask.dim() == 2:
+        tree_mask = tree_mask[None]
+    if tree_mask.dim() != 3 or tree_mask.shape[1:] != (q_len, q_len) or tree_mask.shape[0] not in (1, batch):
+        raise ValueError(
+            f"tree_attn: tree_mask must have shape [B={batch} or 1, T={q_len}, T={q_len}] (T = number of tree "
+            f"tokens), got {tuple(tree_mask.shape)}"
+        )
+    return tree_mask.to(device=device, dtype=torch.bool)
+
+
+def _check_prefix_lens(tree_prefix_lens, batch, device):
+    prefix = torch.as_tensor(tree_prefix_lens, device=device)
+    if prefix.dtype.is_floating_point or prefix.dtype == torch.bool:
+        raise TypeError(f"tree_attn: tree_prefix_lens must be integers, got dtype {prefix.dtype}")
+    if prefix.dim() == 0:
+        prefix = prefix.expand(batch)
+    if prefix.shape != (batch,):
+        raise ValueError(f"tree_attn: tree_prefix_lens must have shape [B={batch}], got {tuple(prefix.shape)}")
+    return prefix.to(torch.int64)
+
+
+# --------------------------------------------------------------------------------------
+# Convenience
+# --------------------------------------------------------------------------------------
+
+
+def tree_forward(model, tokens, parents, prefix_lens, cache, **model_kwargs):
+    """Verify draft trees in one forward of ``model`` (loaded with a registered tree_attn).
+
+    Args:
+        tokens: int64 ``[B, T]`` (or ``[T]``) tree tokens, node 0 the root.
+        parents: int64 ``[B, T]`` (or ``[T]``) parent indices, -1 for the root, parents
+            before children.
+        prefix_lens: the cache slot where every row's tree is written, i.e. the cache
+            length (int, or int tensor ``[B]``; transformers' caches need it equal in all
+            rows).
+        cache: a transformers ``Cache`` (DynamicCache, StaticCache) holding the prefix.
+        model_kwargs: passed to the model. ``attention_mask`` may be a 2D padding mask
+            over ``[B, prefix]`` or ``[B, prefix + T]`` for left-padded rows; position ids
+            then count real tokens only.
+
+    Returns the model output; logits ``[B, T, V]``. The tree's K/V is written at cache
+    slots ``[prefix, prefix + T)``.
+    """
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    if parents.dim() == 1:
+        parents = parents[None].expand(tokens.shape[0], -1)
+    batch, q_len = tokens.shape
+    if parents.shape != tokens.shape:
+        raise ValueError(
+            f"tree_forward: parents shape {tuple(parents.shape)} must match tokens shape {tuple(tokens.shape)}"
+        )
+    device = tokens.device
+    prefix = torch.as_tensor(prefix_lens, device=device, dtype=torch.int64)
+    if prefix.dim() == 0:
+        prefix = prefix.expand(batch)
+    if cache is not None and not torch.compiler.is_compiling():
+        cached = int(cache.get_seq_length())
+        if bool((prefix != cached).any()):
+            raise ValueError(
+                f"tree_forward: prefix_lens {prefix.tolist()} must equal the cache length {cached} in every row "
+                "(transformers' caches write all rows at the same slot; left-pad shorter rows and pass attention_mask)"
+            )
+
+    mask = ancestor_mask(parents.to(device))
+    depth = mask.sum(dim=-1) - 1
+
+    real_prefix = prefix
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    if attention_mask is not None:
+        # A padded batch: every row's tree sits at the same slot, its position counts the
+        # row's real tokens only.
+        width = attention_mask.shape[-1]
+        slot = int(prefix[0])
+        if attention_mask.dim() != 2 or width not in (slot, slot + q_len) or bool((prefix != slot).any()):
+            raise ValueError(
+                "tree_forward: attention_mask must be a 2D padding mask over [B, prefix] or [B, prefix + T] with "
+                f"one prefix length for all rows, got shape {tuple(attention_mask.shape)}, prefix_lens "
+                f"{prefix.tolist()}, T={q_len}"
+            )
+        if width == slot:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, q_len)], dim=1)
+        real_prefix = attention_mask[:, :slot].to(torch.int64).sum(dim=1)
+        model_kwargs["attention_mask"] = attention_mask
+    model_kwargs.setdefault("position_ids", real_prefix[:, None] + depth)
+    model_kwargs.setdefault("use_cache", True)
+    # transformers 5.24 names it `cache` (`past_key_values` is a deprecated alias there).
+    forward_params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
+    cache_arg = "cache" if "cache" in forward_params else "past_key_values"
+    model_kwargs[cache_arg] = cache
+    return model(input_ids=tokens, tree_mask=mask, tree_prefix_lens=prefix, **model_kwargs)
+
