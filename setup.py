@@ -9,6 +9,7 @@ Two things are generated at build time from shaders/*.metal:
 import glob
 import os
 import platform
+import re
 import sys
 
 from setuptools import find_packages, setup
@@ -37,12 +38,35 @@ def write_if_changed(path, text):
         f.write(text)
 
 
+def inline_shader_includes(path, inlined):
+    """The text of a shader file with each `#include "name"` of a header in shaders/
+    replaced by that header's text (once per header, recursively): Metal compiles the
+    embedded source with no include path. System includes (<...>) stay."""
+    lines = []
+    with open(path) as f:
+        for line in f:
+            quoted = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+            if quoted:
+                header = os.path.join(os.path.dirname(path), quoted.group(1))
+                if not os.path.isfile(header):
+                    raise RuntimeError(f"{rel(path)}: #include \"{quoted.group(1)}\" is not a file beside it")
+                if header not in inlined:
+                    inlined.add(header)
+                    lines.append(f"// ---- {rel(header)} (inlined) ----\n")
+                    lines.append(inline_shader_includes(header, inlined))
+                continue
+            if re.match(r"\s*#\s*pragma\s+once\b", line):
+                continue  # one translation unit: would warn "#pragma once in main file"
+            lines.append(line)
+    return "".join(lines)
+
+
 def embed_shader_source():
-    """shaders/*.metal as one C++ raw string, for newLibraryWithSource: on macOS."""
+    """shaders/*.metal as one self-contained C++ raw string, for newLibraryWithSource: on macOS."""
     parts = []
+    inlined = set()
     for path in shader_files():
-        with open(path) as f:
-            parts.append(f"// ---- {rel(path)} ----\n{f.read()}")
+        parts.append(f"// ---- {rel(path)} ----\n{inline_shader_includes(path, inlined)}")
     source = "\n".join(parts)
     delim = "TREE_ATTN_MSL"
     assert f"){delim}\"" not in source
