@@ -1,0 +1,539 @@
+// Tree attention for speculative-decoding verification: a main pass over key splits and
+// a reduce pass that merges the splits. The launch geometry, buffer bindings and the
+// traffic model live in csrc/plan.h; the parameter block in tree_attn_params.h.
+//
+// Written in the conservative MSL subset the CPU simulator (csrc/sim) executes: scalar
+// device loads and stores, simd_* collectives, threadgroup barriers. Scores use -INFINITY
+// as "masked"; the host must compile this source with fast math off so the comparisons
+// against -INFINITY below keep their meaning.
+#include <metal_stdlib>
+#include "tree_attn_params.h"
+
+using namespace metal;
+
+// Lane j of the result holds sum over all 32 lanes of x[j]: a transpose-reduce in five
+// butterfly stages. At the stage of width w a lane keeps the half of its live values
+// whose key index has bit w equal to its own lane bit w, sends the other half to lane
+// (lane ^ w) and adds what it receives, so the live set halves every stage:
+// 16 + 8 + 4 + 2 + 1 = 31 shuffles, against 32 x 5 for one simd_sum per key.
+// Destroys x.
+inline float simd_transpose_sum(thread float* x, ushort lane) {
+  for (ushort w = 16; w >= 1; w >>= 1) {
+    const bool upper = (lane & w) != 0;
+    for (ushort i = 0; i < w; ++i) {
+      const float keep = upper ? x[i + w] : x[i];
+      const float give = upper ? x[i] : x[i + w];
+      x[i] = keep + simd_shuffle_xor(give, w);
+    }
+  }
+  return x[0];
+}
+
+// The additive bias a mask entry stands for.
+inline float mask_bias(uchar attend) { return attend != 0 ? 0.0f : -INFINITY; }
+inline float mask_bias(float bias) { return bias; }
+
+// ---------------------------------------------------------------------------------------
+// Main pass.
+//
+// Threadgroup (split s, row block rb, batch row b * Hkv + kv head h): the rows of kv head
+// h are its G x T (query head, tree node) pairs, row = g * T + t; the block is rows
+// [32 rb, 32 rb + 32), the last block may be partial. The threadgroup walks the keys of
+// split s that batch row b may see, [s * split_keys, (s + 1) * split_keys) cut to
+// [0, min(off_b + M, S)), in chunks of 32, and writes for every row an unnormalised
+// partial output with its running max and sum (flash-decoding style).
+// Simdgroup k owns rows [k * 32 / NSG, (k + 1) * 32 / NSG) of the block; lane l owns head
+// dims l, l + 32, ... of those rows' query (pre-scaled, float) and accumulator, and key l
+// of every chunk for the softmax.
+// Traffic: each K and V byte in the visible range is fetched from device memory once per
+// threadgroup (staged in threadgroup memory) and serves all 32 rows of the block, i.e.
+// ceil(G * T / 32) times per call, not G * T times. A chunk whose window mask hides it
+// from every row of the block is never fetched.
+// ---------------------------------------------------------------------------------------
+template <typename T, int D, typename MaskT>
+[[kernel]] void tree_attn_main(
+    constant TreeAttnParams& p [[buffer(0)]],
+    device const T* query [[buffer(1)]],
+    device const T* key [[buffer(2)]],
+    device const T* value [[buffer(3)]],
+    device const MaskT* mask [[buffer(4)]],
+    device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]],  // [B, Hq, T, n_splits, D]
+    device float* partial_m [[buffer(7)]],  // [B, Hq, T, n_splits]
+    device float* partial_l [[buffer(8)]],  // [B, Hq, T, n_splits]
+    threadgroup T* kv_tile [[threadgroup(0)]],  // [32 keys][D]: K, then V, of one chunk
+    uint3 group [[threadgroup_position_in_grid]],
+    uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  constexpr int NSG = TREE_ATTN_SIMDGROUPS(D);
+  constexpr int ROWS = TREE_ATTN_BLOCK_ROWS / NSG;  // rows per simdgroup
+  constexpr int DPL = D / TREE_ATTN_SIMD_WIDTH;     // head dims per lane
+  constexpr int CHUNK = TREE_ATTN_CHUNK_KEYS;
+  constexpr int THREADS = NSG * TREE_ATTN_SIMD_WIDTH;
+
+  const int split = int(group.x);
+  const int b = int(group.z) / p.Hkv;
+  const int h = int(group.z) % p.Hkv;
+  const int rows_per_head = p.G * p.T;
+
+  // Offsets are clamped here, not checked on the host (that would sync the GPU): keys
+  // outside [0, S) are never read whatever the offset.
+  const int off = p.has_offsets != 0 ? clamp(offsets[b], 0, p.S) : 0;
+  const int visible_end = off + min(p.M, p.S - off);  // min(off + M, S) without overflow
+  const int begin = split * p.split_keys;
+  // begin == end: nothing to see. (begin + split_keys may exceed int range for huge S.)
+  const int end = begin + clamp(visible_end - begin, 0, p.split_keys);
+
+  // The rows of this simdgroup.
+  bool row_valid[ROWS];
+  int row_head[ROWS];  // query head
+  int row_node[ROWS];  // tree node
+  for (int r = 0; r < ROWS; ++r) {
+    const int row = int(group.y) * TREE_ATTN_BLOCK_ROWS + int(simd_index) * ROWS + r;
+    row_valid[r] = row < rows_per_head;
+    const int g = row_valid[r] ? row / p.T : 0;
+    row_head[r] = h * p.G + g;
+    row_node[r] = row_valid[r] ? row % p.T : 0;
+  }
+
+  float q[ROWS][DPL];
+  float o[ROWS][DPL];
+  float m[ROWS];  // running max of the scores
+  float l[ROWS];  // running sum of exp(score - m)
+  for (int r = 0; r < ROWS; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    const long q_base = long(b) * p.q_stride_b + long(row_head[r]) * p.q_stride_h +
+                        long(row_node[r]) * p.q_stride_t;
+    for (int i = 0; i < DPL; ++i) {
+      o[r][i] = 0.0f;
+      q[r][i] = (row_valid[r] && begin < end) ? float(query[q_base + lane + i * 32]) * p.scale : 0.0f;
+    }
+  }
+
+  const long k_base = long(b) * p.k_stride_b + long(h) * p.k_stride_h;
+  const long v_base = long(b) * p.v_stride_b + long(h) * p.v_stride_h;
+
+  for (int chunk = begin; chunk < end; chunk += CHUNK) {
+    const int chunk_len = min(CHUNK, end - chunk);
+    const int key_index = chunk + int(lane);
+
+    // The bias each of my rows gives key `key_index`: the prefix is always attended,
+    // keys past the range are never seen, window keys follow the mask. Each mask entry
+    // of the block is read once, by the lane that owns its key.
+    float bias[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      if (key_index >= end || !row_valid[r]) {
+        bias[r] = -INFINITY;
+      } else if (key_index < off) {
+        bias[r] = 0.0f;
+      } else {
+        const long mask_index = long(b) * p.mask_stride_b + long(row_head[r]) * p.mask_stride_h +
+                                long(row_node[r]) * p.mask_stride_t +
+                                long(key_index - off) * p.mask_stride_m;
+        bias[r] = mask_bias(mask[mask_index]);
+      }
+    }
+
+    // Only a chunk inside the window can be hidden from every row. Decide for the whole
+    // threadgroup before fetching K. The flags borrow the tile: it is free between chunks
+    // and any extra threadgroup array would overflow 32 KB for float32 at D = 256.
+    if (chunk >= off) {
+      bool seen = false;
+      for (int r = 0; r < ROWS; ++r) seen = seen || !(bias[r] == -INFINITY);
+      const bool simdgroup_sees = simd_any(seen);
+      if (lane == 0) kv_tile[simd_index] = T(simdgroup_sees ? 1.0f : 0.0f);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      bool block_sees = false;
+      for (int k = 0; k < NSG; ++k) block_sees = block_sees || float(kv_tile[k]) != 0.0f;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (!block_sees) continue;
+    }
+
+    // Stage K; rows past the range are zero-filled, never read.
+    for (int e = int(thread_index); e < CHUNK * D; e += THREADS) {
+      const int k = e / D;
+      const int d = e % D;
+      kv_tile[e] = k < chunk_len ? key[k_base + long(chunk + k) * p.k_stride_s + d] : T(0.0f);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Scores and online softmax, one row at a time; afterwards lane j holds in weight[r]
+    // the unnormalised probability of key j for row r.
+    float weight[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      float partial[CHUNK];
+      for (int k = 0; k < CHUNK; ++k) {
+        float dot = 0.0f;
+        for (int i = 0; i < DPL; ++i) dot += q[r][i] * float(kv_tile[k * D + lane + i * 32]);
+        partial[k] = dot;
+      }
+      float score = simd_transpose_sum(partial, lane);
+      if (p.softcap > 0.0f) score = p.softcap * tanh(score / p.softcap);
+      score += bias[r];
+
+      const float m_new = max(m[r], simd_max(score));
+      // A row that has seen only masked keys keeps m = -inf; never form (-inf) - (-inf).
+      const bool nothing_seen = m_new == -INFINITY;
+      const float rescale = nothing_seen ? 1.0f : exp(m[r] - m_new);
+      weight[r] = nothing_seen ? 0.0f : exp(score - m_new);
+      l[r] = l[r] * rescale + simd_sum(weight[r]);
+      m[r] = m_new;
+      for (int i = 0; i < DPL; ++i) o[r][i] *= rescale;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Stage V into the same tile.
+    for (int e = int(thread_index); e < CHUNK * D; e += THREADS) {
+      const int k = e / D;
+      const int d = e % D;
+      kv_tile[e] = k < chunk_len ? value[v_base + long(chunk + k) * p.v_stride_s + d] : T(0.0f);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (int k = 0; k < chunk_len; ++k) {
+      float v[DPL];
+      for (int i = 0; i < DPL; ++i) v[i] = float(kv_tile[k * D + lane + i * 32]);
+      for (int r = 0; r < ROWS; ++r) {
+        const float w = simd_broadcast(weight[r], ushort(k));
+        for (int i = 0; i < DPL; ++i) o[r][i] += w * v[i];
+      }
+    }
+    // The next chunk overwrites the tile.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  for (int r = 0; r < ROWS; ++r) {
+    if (!row_valid[r]) continue;
+    const long slot = ((long(b) * p.Hq + row_head[r]) * p.T + row_node[r]) * p.n_splits + split;
+    for (int i = 0; i < DPL; ++i) partial_o[slot * D + lane + i * 32] = o[r][i];
+    if (lane == 0) {
+      partial_m[slot] = m[r];
+      partial_l[slot] = l[r];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reduce pass.
+//
+// Threadgroup: TREE_ATTN_REDUCE_ROWS consecutive query rows of the flattened
+// [B, Hq, T]; simdgroup k owns one row, lane s owns split s (for the max and the sum)
+// and head dims s, s + 32, ... (for the output).
+// Traffic: every partial is read once; out and lse are written once. Splits are merged
+// in a fixed order, so results are deterministic.
+// ---------------------------------------------------------------------------------------
+template <typename T, int D>
+[[kernel]] void tree_attn_reduce(
+    constant TreeAttnParams& p [[buffer(0)]],
+    device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]],
+    device const float* partial_l [[buffer(3)]],
+    device T* out [[buffer(4)]],      // [B, Hq, T, D] contiguous
+    device float* lse [[buffer(5)]],  // [B, Hq, T] contiguous
+    uint group [[threadgroup_position_in_grid]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  constexpr int DPL = D / TREE_ATTN_SIMD_WIDTH;
+  const long rows = long(p.B) * p.Hq * p.T;
+  const long row = long(group) * TREE_ATTN_REDUCE_ROWS + simd_index;
+  if (row >= rows) return;  // uniform per simdgroup; this kernel has no barriers
+
+  const int n_splits = p.n_splits;
+  const bool my_split = int(lane) < n_splits;
+  const float m_split = my_split ? partial_m[row * n_splits + lane] : -INFINITY;
+  const float l_split = my_split ? partial_l[row * n_splits + lane] : 0.0f;
+  const float m_all = simd_max(m_split);
+  // Splits that saw nothing (m = -inf) weigh 0; if no split saw anything, all weigh 0.
+  const float w_split = m_split == -INFINITY ? 0.0f : exp(m_split - m_all);
+  const float l_all = simd_sum(l_split * w_split);
+
+  float acc[DPL];
+  for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+  for (int s = 0; s < n_splits; ++s) {
+    const float w = simd_broadcast(w_split, ushort(s));
+    const long base = (row * n_splits + s) * D;
+    for (int i = 0; i < DPL; ++i) acc[i] += w * partial_o[base + lane + i * 32];
+  }
+  const float inv_l = l_all > 0.0f ? 1.0f / l_all : 0.0f;
+  for (int i = 0; i < DPL; ++i) out[row * D + lane + i * 32] = T(acc[i] * inv_l);
+  if (lane == 0) lse[row] = l_all > 0.0f ? m_all + log(l_all) : -INFINITY;
+}
+
+// ---------------------------------------------------------------------------------------
+// Instantiations: tree_attn_main_<dtype>_d<D>_<mask> and tree_attn_reduce_<dtype>_d<D>,
+// dtype in {f32, f16, bf16}, mask in {bool, float} (csrc/plan.cpp builds the same names).
+// Spelled out, parameter attributes included, because the simulator's translator reads
+// them (csrc/sim/SUBSET.md: no attributes inside macros).
+// ---------------------------------------------------------------------------------------
+
+// float
+template [[host_name("tree_attn_main_f32_d64_bool")]] [[kernel]] void tree_attn_main<float, 64, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
+    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f32_d64_float")]] [[kernel]] void tree_attn_main<float, 64, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
+    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f32_d96_bool")]] [[kernel]] void tree_attn_main<float, 96, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
+    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f32_d96_float")]] [[kernel]] void tree_attn_main<float, 96, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
+    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f32_d128_bool")]] [[kernel]] void tree_attn_main<float, 128, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
+    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f32_d128_float")]] [[kernel]] void tree_attn_main<float, 128, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
+    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f32_d256_bool")]] [[kernel]] void tree_attn_main<float, 256, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
+    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f32_d256_float")]] [[kernel]] void tree_attn_main<float, 256, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
+    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_f32_d64")]] [[kernel]] void tree_attn_reduce<float, 64>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device float* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_f32_d96")]] [[kernel]] void tree_attn_reduce<float, 96>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device float* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_f32_d128")]] [[kernel]] void tree_attn_reduce<float, 128>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device float* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_f32_d256")]] [[kernel]] void tree_attn_reduce<float, 256>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device float* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+
+// half
+template [[host_name("tree_attn_main_f16_d64_bool")]] [[kernel]] void tree_attn_main<half, 64, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
+    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f16_d64_float")]] [[kernel]] void tree_attn_main<half, 64, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
+    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f16_d96_bool")]] [[kernel]] void tree_attn_main<half, 96, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
+    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f16_d96_float")]] [[kernel]] void tree_attn_main<half, 96, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
+    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f16_d128_bool")]] [[kernel]] void tree_attn_main<half, 128, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
+    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f16_d128_float")]] [[kernel]] void tree_attn_main<half, 128, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
+    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f16_d256_bool")]] [[kernel]] void tree_attn_main<half, 256, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
+    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_f16_d256_float")]] [[kernel]] void tree_attn_main<half, 256, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
+    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_f16_d64")]] [[kernel]] void tree_attn_reduce<half, 64>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device half* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_f16_d96")]] [[kernel]] void tree_attn_reduce<half, 96>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device half* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_f16_d128")]] [[kernel]] void tree_attn_reduce<half, 128>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device half* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_f16_d256")]] [[kernel]] void tree_attn_reduce<half, 256>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device half* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+
+// bfloat
+template [[host_name("tree_attn_main_bf16_d64_bool")]] [[kernel]] void tree_attn_main<bfloat, 64, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
+    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_bf16_d64_float")]] [[kernel]] void tree_attn_main<bfloat, 64, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
+    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_bf16_d96_bool")]] [[kernel]] void tree_attn_main<bfloat, 96, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
+    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_bf16_d96_float")]] [[kernel]] void tree_attn_main<bfloat, 96, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
+    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_bf16_d128_bool")]] [[kernel]] void tree_attn_main<bfloat, 128, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
+    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_bf16_d128_float")]] [[kernel]] void tree_attn_main<bfloat, 128, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
+    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_bf16_d256_bool")]] [[kernel]] void tree_attn_main<bfloat, 256, uchar>(
+    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
+    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
+    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_main_bf16_d256_float")]] [[kernel]] void tree_attn_main<bfloat, 256, float>(
+    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
+    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
+    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
+    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_bf16_d64")]] [[kernel]] void tree_attn_reduce<bfloat, 64>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device bfloat* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_bf16_d96")]] [[kernel]] void tree_attn_reduce<bfloat, 96>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device bfloat* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_bf16_d128")]] [[kernel]] void tree_attn_reduce<bfloat, 128>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device bfloat* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);
+template [[host_name("tree_attn_reduce_bf16_d256")]] [[kernel]] void tree_attn_reduce<bfloat, 256>(
+    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
+    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
+    device bfloat* out [[buffer(4)]], device float* lse [[buffer(5)]],
+    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]);

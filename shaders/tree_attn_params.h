@@ -1,0 +1,58 @@
+// The parameter block of the tree-attention kernels, shared word for word by the Metal
+// shaders (shaders/tree_attention.metal) and the C++ launch plan (csrc/plan.h).
+//
+// It is passed with setBytes, so its layout is the contract between host and GPU: only
+// fixed-width fields, 64-bit ones first, no implicit padding (the C++ side asserts the
+// size). The constants below fix the tiling both sides must agree on.
+#pragma once
+
+#ifdef __METAL_VERSION__
+typedef long tree_attn_i64;
+typedef int tree_attn_i32;
+#else
+#include <cstdint>
+typedef int64_t tree_attn_i64;
+typedef int32_t tree_attn_i32;
+#endif
+
+// Tiling. An enum, because it is a compile-time constant in both languages without an
+// address-space qualifier.
+enum TreeAttnTiling {
+  // Query rows (query head, tree node pairs of one kv head) per main-kernel threadgroup:
+  // every K/V byte a threadgroup fetches serves this many rows.
+  TREE_ATTN_BLOCK_ROWS = 32,
+  // Keys per staged chunk (one per SIMD lane).
+  TREE_ATTN_CHUNK_KEYS = 32,
+  TREE_ATTN_SIMD_WIDTH = 32,
+  // Query rows per reduce threadgroup: one simdgroup per row.
+  TREE_ATTN_REDUCE_ROWS = 4,
+  // Upper bound on key splits: the reduce kernel gives each split one lane.
+  TREE_ATTN_MAX_SPLITS = 32,
+};
+
+// Simdgroups per main-kernel threadgroup for head dim D: wider heads get more simdgroups
+// so each lane keeps at most 8 x D/32 query and 8 x D/32 accumulator values in registers.
+#define TREE_ATTN_SIMDGROUPS(D) ((D) <= 128 ? 4 : 8)
+
+struct TreeAttnParams {
+  // Element strides; the head dim always has stride 1. A broadcast dim has stride 0.
+  tree_attn_i64 q_stride_b, q_stride_h, q_stride_t;
+  tree_attn_i64 k_stride_b, k_stride_h, k_stride_s;
+  tree_attn_i64 v_stride_b, v_stride_h, v_stride_s;
+  // Mask [B|1, Hq|1, T, M] with its (possibly broadcast) strides, window column last.
+  tree_attn_i64 mask_stride_b, mask_stride_h, mask_stride_t, mask_stride_m;
+
+  tree_attn_i32 B, Hq, Hkv, G, T, S, M, D;
+  // Keys [split * split_keys, (split + 1) * split_keys) belong to split `split`;
+  // split_keys is a multiple of TREE_ATTN_CHUNK_KEYS.
+  tree_attn_i32 split_keys, n_splits;
+  tree_attn_i32 n_row_blocks;  // ceil(G * T / TREE_ATTN_BLOCK_ROWS)
+  tree_attn_i32 has_offsets;   // 0: every offset is 0 and the offsets buffer is not read
+  float scale;
+  float softcap;               // 0: off
+};
+
+#ifndef __METAL_VERSION__
+static_assert(sizeof(TreeAttnParams) == 13 * 8 + 12 * 4 + 2 * 4,
+              "TreeAttnParams must have no padding: it is copied byte for byte to the GPU");
+#endif

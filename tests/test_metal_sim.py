@@ -1,0 +1,310 @@
+"""The Metal shaders, run by the CPU simulator with the MPS backend's launch plan.
+
+Everything here goes through ``torch.ops.tree_attn._metal_sim_forward_with_lse``: the
+real shader source, translated to C++, executed threadgroup by threadgroup with lock-step
+simdgroups, NaN-poisoned threadgroup memory and bounds-checked device buffers. Every call
+also checks the device bytes each launch read and wrote against the plan's traffic model
+(the op fails otherwise); ``_metal_sim_traffic`` returns both figures for the tests below.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+import torch_tree_attn  # noqa: F401  (registers the ops)
+from tests.cases import Case, check_against_reference, make_inputs, parity_matrix
+from torch_tree_attn.reference import tree_attention_reference
+
+ops = torch.ops.tree_attn
+ARG_ORDER = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap")
+
+
+def args_of(inputs):
+    return tuple(inputs[name] for name in ARG_ORDER)
+
+
+def sim(inputs):
+    return ops._metal_sim_forward_with_lse(*args_of(inputs))
+
+
+def plan_of(inputs):
+    return json.loads(ops._launch_plan(*args_of(inputs)))
+
+
+def traffic_of(inputs):
+    return json.loads(ops._metal_sim_traffic(*args_of(inputs)))
+
+
+MATRIX = parity_matrix()
+
+# Long prefixes: S large enough that the plan splits the keys across threadgroups, with
+# offsets that end the visible range inside a split and inside a chunk.
+SPLIT_CASES = [
+    Case(B=2, Hq=2, Hkv=1, T=5, S=1100, D=64, dtype=torch.float32, mask_kind="bool", seed=101),
+    Case(B=2, Hq=4, Hkv=2, T=3, S=900, D=96, dtype=torch.float16, mask_kind="float", seed=102,
+         kv_layout="bshd", mask_shape="none", softcap=30.0),
+    Case(B=1, Hq=8, Hkv=1, T=4, S=1000, D=128, dtype=torch.bfloat16, mask_kind="float", window="dense",
+         offsets="none", seed=103),
+    Case(B=2, Hq=1, Hkv=1, T=2, S=700, D=256, dtype=torch.float32, mask_kind="bool", window="empty", seed=104),
+]
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=str)
+def test_parity_matrix(case):
+    inputs = make_inputs(case)
+    out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_long_prefix_split_across_threadgroups(case):
+    inputs = make_inputs(case)
+    plan = plan_of(inputs)
+    assert plan["n_splits"] >= 4, plan
+    out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+
+
+def test_forward_without_lse_matches():
+    inputs = make_inputs(Case(B=2, Hq=4, Hkv=2, T=5, S=40, D=64, dtype=torch.float16))
+    out = ops._metal_sim_forward(*args_of(inputs))
+    check_against_reference(out, None, inputs)
+    assert torch.equal(out, sim(inputs)[0])
+
+
+def test_deterministic():
+    inputs = make_inputs(SPLIT_CASES[0])
+    first, second = sim(inputs), sim(inputs)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_every_kernel_instantiation_is_exercised():
+    shipped = {name for name in ops._metal_sim_kernels() if name.startswith("tree_attn_")}
+    expected = {f"tree_attn_main_{t}_d{d}_{m}" for t in ("f32", "f16", "bf16") for d in (64, 96, 128, 256)
+                for m in ("bool", "float")}
+    expected |= {f"tree_attn_reduce_{t}_d{d}" for t in ("f32", "f16", "bf16") for d in (64, 96, 128, 256)}
+    assert shipped == expected
+    used = {launch["kernel"] for case in MATRIX for launch in plan_of(make_inputs(case))["launches"]}
+    assert used == shipped, f"never run: {sorted(shipped - used)}"
+
+
+# ---------------------------------------------------------------------------------------
+# Offsets are clamped in the kernel, never checked on the host (as on MPS).
+# ---------------------------------------------------------------------------------------
+def clamped_reference(inputs):
+    """The contract under clamping: off = clamp(off_b, 0, S), keys [0, min(off + M, S))
+    visible, window columns that fall at or past S dropped. Built as an in-range call on
+    K/V padded with M zero keys whose mask columns are masked."""
+    q, k, v, mask, offsets = (inputs[n] for n in ("query", "key", "value", "mask", "mask_offset"))
+    B, Hkv, S, D = k.shape
+    M = mask.shape[-1]
+    off = offsets.long().clamp(0, S)
+    pad = torch.zeros(B, Hkv, M, D, dtype=k.dtype)
+    k_ext, v_ext = torch.cat([k, pad], 2), torch.cat([v, pad], 2)
+    cols = torch.arange(M)
+    mask_ext = mask.expand(B, *mask.shape[1:]).clone()
+    for b in range(B):
+        beyond = off[b] + cols >= S
+        if mask.dtype == torch.bool:
+            mask_ext[b, ..., beyond] = False
+        else:
+            mask_ext[b, ..., beyond] = -math.inf
+    return tree_attention_reference(q, k_ext, v_ext, mask_ext, off, inputs["scale"], inputs["softcap"])
+
+
+@pytest.mark.parametrize("kv_storage", ["exact", "nan_padded"])
+@pytest.mark.parametrize("offset_dtype", [torch.int64, torch.int32])
+def test_offsets_out_of_range_are_clamped(kv_storage, offset_dtype):
+    B, Hq, Hkv, T, S, D = 5, 4, 2, 6, 45, 64
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    if kv_storage == "exact":
+        # The last (b, h) row ends the allocation: a read at key S faults in the simulator.
+        k = torch.randn(B, Hkv, S, D, generator=gen)
+        v = torch.randn(B, Hkv, S, D, generator=gen)
+    else:
+        # Keys past S exist in storage but hold NaN: a read past S poisons the result.
+        k = torch.randn(B, Hkv, S + 40, D, generator=gen)
+        v = torch.randn(B, Hkv, S + 40, D, generator=gen)
+        k[:, :, S:] = v[:, :, S:] = float("nan")
+        k, v = k[:, :, :S], v[:, :, :S]
+    mask = torch.rand(B, T, T, generator=gen) < 0.7
+    big = 2**40 if offset_dtype == torch.int64 else 2**31 - 1
+    offsets = torch.tensor([-3, S - 2, S + 5, big, 40], dtype=offset_dtype)
+    inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=offsets, scale=None, softcap=None)
+    out, lse = sim(inputs)
+    ref_out, ref_lse = clamped_reference(inputs)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    # Offsets at or past S leave the window empty: the prefix is all S keys.
+    plan = plan_of(inputs)
+    assert plan["actual"]["visible_end"] == [T, S, S, S, min(40 + T, S)]
+
+
+def test_unused_slots_hold_nan_and_the_last_chunk_is_partial():
+    # Visible ends at 37 and 45: inside a 32-key chunk, followed by NaN keys.
+    case = Case(B=2, Hq=4, Hkv=1, T=5, S=77, D=128, dtype=torch.float32, offsets="varied", seed=3)
+    inputs = make_inputs(case)
+    inputs["mask_offset"] = torch.tensor([32, 40])
+    gen = torch.Generator().manual_seed(5)
+    for name in ("key", "value"):
+        inputs[name] = torch.randn(inputs[name].shape, generator=gen)
+        for b, end in enumerate((37, 45)):
+            inputs[name][b, :, end:] = float("nan")
+    out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+
+
+# ---------------------------------------------------------------------------------------
+# Rows that see nothing.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_rows_that_see_no_key_give_zero_and_neg_inf(mask_kind):
+    B, Hq, T, S, D = 2, 2, 5, 40, 64
+    q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, 1, S, D), torch.randn(B, 1, S, D)
+    mask = torch.rand(B, T, S) < 0.5
+    mask[:, 1] = False
+    mask[1] = False  # batch row 1 sees nothing at all
+    if mask_kind == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, -math.inf)
+    inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=None, scale=None, softcap=None)
+    out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+    assert torch.isneginf(lse[:, :, 1]).all() and (out[:, :, 1] == 0).all()
+    assert torch.isneginf(lse[1]).all() and (out[1] == 0).all()
+
+
+def test_empty_cache_gives_zero_and_neg_inf():
+    q = torch.randn(1, 4, 3, 96, dtype=torch.float16)
+    kv = torch.empty(1, 2, 0, 96, dtype=torch.float16)
+    mask = torch.ones(1, 3, 0, dtype=torch.bool)
+    out, lse = ops._metal_sim_forward_with_lse(q, kv, kv, mask, None, None, None)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------------------------------
+# Buffer byte offsets and strides.
+# ---------------------------------------------------------------------------------------
+def test_views_with_storage_offsets_and_strided_mask():
+    B, Hq, Hkv, T, S, D = 2, 4, 2, 5, 50, 96
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(B, Hq, T + 3, D, generator=gen, dtype=torch.float64).to(torch.bfloat16)[:, :, 2:2 + T]
+    kv_store = torch.randn(2, B, S + 4, Hkv, D, generator=gen).to(torch.bfloat16)
+    k = kv_store[0, :, 3:3 + S].transpose(1, 2)
+    v = kv_store[1, :, 1:1 + S].transpose(1, 2)
+    mask = (torch.rand(3, B, T, 2 * T, generator=gen) < 0.6)[1, :, :, ::2]
+    offsets = torch.tensor([9, 0, 20, 44, 7], dtype=torch.int32)[2:4]
+    assert all(t.storage_offset() > 0 for t in (q, k, v, mask, offsets))
+    inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=offsets, scale=0.2, softcap=None)
+    plan = plan_of(inputs)
+    offsets_bound = {b["role"]: b["byte_offset"] for b in plan["launches"][0]["buffers"]}
+    assert offsets_bound["query"] == q.storage_offset() * 2
+    assert offsets_bound["value"] == v.storage_offset() * 2
+    assert offsets_bound["offsets"] == offsets.storage_offset() * 4
+    out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+
+
+# ---------------------------------------------------------------------------------------
+# Traffic: counted by the simulator, modelled by the plan.
+# ---------------------------------------------------------------------------------------
+def _kv_bound(plan, traffic_key="actual"):
+    rows = plan["rows_per_kv_head"]
+    return math.ceil(rows / 32) * plan[traffic_key]["minimum_key_value"]
+
+
+@pytest.mark.parametrize("case", [
+    Case(B=2, Hq=8, Hkv=2, T=20, S=300, D=64, dtype=torch.float16, seed=21),
+    Case(B=1, Hq=4, Hkv=1, T=64, S=200, D=128, dtype=torch.bfloat16, mask_kind="float", seed=22),
+    SPLIT_CASES[0],
+], ids=str)
+def test_counted_bytes_equal_the_model_and_the_bound_holds(case):
+    inputs = make_inputs(case)
+    traffic = traffic_of(inputs)
+    for launch in traffic["launches"]:
+        assert launch["counted_read"] == launch["modelled_read"], launch
+        assert launch["counted_written"] == launch["modelled_written"], launch
+    plan = traffic["plan"]
+    main_kv = plan["actual"]["main_reads"]["key_value"]
+    assert main_kv <= _kv_bound(plan)
+    assert plan["actual"]["skipped_keys"] > 0 or main_kv == _kv_bound(plan)
+
+
+def test_fully_masked_window_chunks_are_not_fetched():
+    # A dense window of 160 keys; keys [64, 128) are hidden from every row: two chunks
+    # whose K/V the kernel must skip.
+    B, Hq, T, S, D = 1, 2, 8, 160, 64
+    q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, 1, S, D), torch.randn(B, 1, S, D)
+    mask = torch.rand(B, T, S) < 0.5
+    mask[..., 64:128] = False
+    inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=None, scale=None, softcap=None)
+    traffic = traffic_of(inputs)
+    plan = traffic["plan"]
+    assert plan["actual"]["skipped_keys"] == 64
+    assert plan["actual"]["main_reads"]["key_value"] == (S - 64) * 2 * D * 4
+    main = traffic["launches"][0]
+    assert main["counted_read"] == main["modelled_read"]
+    check_against_reference(*sim(inputs), inputs)
+
+
+def test_reference_shape_traffic_against_minimum_and_seed():
+    """B=1, Hq=32, Hkv=8, D=128, T=64 tree after a 4096-key prefix: every K/V byte
+    serves 32 query rows, so the main pass reads ceil(G*T/32) = 8 x the minimum; the
+    seed's one-threadgroup-per-(query, head) design reads G*T = 256 x."""
+    B, Hq, Hkv, D, T, P = 1, 32, 8, 128, 64, 4096
+    S = P + T
+    q = torch.randn(B, Hq, T, D)
+    kv = torch.randn(B, Hkv, S, D)
+    gen = torch.Generator().manual_seed(0)
+    from tests.cases import random_tree_mask
+    mask = random_tree_mask(T, gen)[None]
+    inputs = dict(query=q, key=kv, value=kv, mask=mask, mask_offset=torch.tensor([P]), scale=None, softcap=None)
+    plan = plan_of(inputs)
+    G = Hq // Hkv
+    minimum = plan["worst_case"]["minimum_key_value"]
+    assert minimum == plan["actual"]["minimum_key_value"] == 2 * Hkv * S * D * 4
+    assert plan["worst_case"]["main_reads"]["key_value"] == 8 * minimum
+    # The tree's keys form two chunks; nodes 0..31 (parents first) see none of nodes
+    # 32..63, so the blocks holding those rows skip the second chunk.
+    skipped = plan["actual"]["skipped_keys"]
+    assert skipped > 0
+    assert plan["actual"]["main_reads"]["key_value"] == 8 * minimum - skipped * 2 * D * 4
+    seed_kv = G * T * minimum
+    worst = plan["worst_case"]["main_reads"]["key_value"]
+    actual = plan["actual"]["main_reads"]["key_value"]
+    print(f"\nreference shape: modelled K/V bytes {worst / 2**20:.1f} MiB worst case = {worst / minimum:.0f} x "
+          f"minimum ({minimum / 2**20:.2f} MiB), {actual / minimum:.2f} x with this tree's skipped chunks; "
+          f"seed design {G * T} x ({seed_kv / 2**20:.0f} MiB); {plan['n_splits']} splits, "
+          f"grid {plan['launches'][0]['grid']}")
+    assert G * T == 256 and worst * 32 == seed_kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_plan_geometry(dtype, D):
+    B, Hq, Hkv, T, S = 2, 8, 2, 9, 2000
+    q = torch.zeros(B, Hq, T, D, dtype=dtype)
+    kv = torch.zeros(B, Hkv, S, D, dtype=dtype)
+    plan = plan_of(dict(query=q, key=kv, value=kv, mask=torch.ones(B, T, T, dtype=torch.bool),
+                        mask_offset=torch.tensor([5, 1000]), scale=None, softcap=None))
+    main, reduce = plan["launches"]
+    element = torch.finfo(dtype).bits // 8
+    # One chunk of 32 K (then V) rows in the K/V dtype: at most 32 KiB, a multiple of 16.
+    assert main["threadgroup_memory_bytes"] == 32 * D * element <= 32768
+    assert main["threads"] == [128 if D <= 128 else 256, 1, 1]
+    rows = (Hq // Hkv) * T
+    assert plan["n_row_blocks"] == math.ceil(rows / 32)
+    assert main["grid"] == [plan["n_splits"], plan["n_row_blocks"], B * Hkv]
+    # Splits: ~256 threadgroups, >= 4 chunks of 32 keys each, <= 32 splits, covering S.
+    assert plan["split_keys"] % 32 == 0 and plan["split_keys"] >= 4 * 32
+    assert (plan["n_splits"] - 1) * plan["split_keys"] < S <= plan["n_splits"] * plan["split_keys"]
+    chunks = math.ceil(S / 32)
+    wanted = min(32, chunks // 4, math.ceil(256 / (B * Hkv * plan["n_row_blocks"])))
+    assert plan["n_splits"] == math.ceil(chunks / math.ceil(chunks / wanted))
+    assert reduce["grid"] == [math.ceil(B * Hq * T / 4), 1, 1] and reduce["threads"] == [128, 1, 1]
+    slots = B * Hq * T * plan["n_splits"]
+    assert plan["scratch_bytes"] >= slots * (D + 2) * 4
+    assert {b["role"] for b in main["buffers"]} == {"params", "query", "key", "value", "mask", "offsets",
+                                                    "partial_o", "partial_m", "partial_l"}
+    assert [b["index"] for b in reduce["buffers"]] == list(range(6))
