@@ -1,0 +1,806 @@
+"""Translate the Metal Shading Language subset used by this project into C++ for the simulator.
+
+setup.py calls translate_file() for shaders/*.metal and csrc/sim/selftest/*.metal at build time
+and compiles the result against csrc/sim/msl.h (the MSL prelude) into torch_tree_attn._C.
+
+The translation is token-level and keeps every line where it was (the output carries #line
+directives), so a C++ compile error points at the .metal line. What it does:
+
+- address spaces: `device T*` / `constant T*` -> metal::device_ptr<T> (checked, counted),
+  `threadgroup T*` -> metal::threadgroup_ptr<T>, `device const T&` / `constant T&` -> `const T&`,
+  `thread` is dropped, program-scope `constant T x = ...;` -> `static const T x = ...;`;
+- `threadgroup T name[N]...;` in a function body -> one shared allocation per threadgroup;
+- kernels (`kernel`/`[[kernel]]`) lose their attributes; each non-template kernel and each
+  explicit instantiation `template [[host_name("n")]] [[kernel]] void f<...>(...);` gets a
+  launcher and a registry entry built from its parameter attributes;
+- literals: `1.0h` -> half, `1.0bf` -> bfloat, unsuffixed floating literals -> float (MSL has no
+  double).
+
+Anything outside the supported subset (csrc/sim/SUBSET.md) raises TranslationError naming the
+file and line, so it can never compile into something that only looks right.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+__all__ = ["TranslationError", "translate_file", "translate_source"]
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class TranslationError(Exception):
+    """A construct outside the simulator's MSL subset (message: 'file:line: ...')."""
+
+
+# Kernel parameter attributes -> tree_attn::sim::detail::Attr.
+POSITION_ATTRIBUTES = {
+    "threadgroup_position_in_grid",
+    "thread_position_in_threadgroup",
+    "thread_index_in_threadgroup",
+    "threads_per_threadgroup",
+    "threadgroups_per_grid",
+    "thread_position_in_grid",
+    "threads_per_grid",
+    "simdgroup_index_in_threadgroup",
+    "thread_index_in_simdgroup",
+    "threads_per_simdgroup",
+    "simdgroups_per_threadgroup",
+}
+# Standard C++ attributes that mean the same in MSL and C++.
+CXX_ATTRIBUTES = {"maybe_unused", "likely", "unlikely", "nodiscard", "fallthrough"}
+
+# Identifiers whose presence means the source uses something the simulator does not model.
+REJECTED_IDENTIFIERS = {
+    "double": "double is not an MSL type",
+    "simdgroup_matrix": "simdgroup_matrix is not supported by the simulator",
+    "simdgroup_float8x8": "simdgroup_matrix types are not supported by the simulator",
+    "simdgroup_half8x8": "simdgroup_matrix types are not supported by the simulator",
+    "simdgroup_bfloat8x8": "simdgroup_matrix types are not supported by the simulator",
+    "simdgroup_load": "simdgroup_matrix loads are not supported by the simulator",
+    "simdgroup_store": "simdgroup_matrix stores are not supported by the simulator",
+    "simdgroup_multiply": "simdgroup_matrix math is not supported by the simulator",
+    "simdgroup_multiply_accumulate": "simdgroup_matrix math is not supported by the simulator",
+    "imageblock": "imageblocks are not supported",
+    "sampler": "textures and samplers are not supported",
+    "visible_function_table": "function tables are not supported",
+    "function_constant": "function constants are not supported",
+}
+REJECTED_PREFIXES = {
+    "atomic": "atomics are not supported (the kernels must be deterministic without them)",
+    "memory_order": "atomics are not supported (the kernels must be deterministic without them)",
+    "texture": "textures are not supported",
+    "quad_": "quad-group functions are not supported",
+    "packed_": "packed vector types are not supported",
+}
+
+ADDRESS_SPACES = {"device", "constant", "threadgroup", "thread"}
+TYPE_KEYWORDS = {"const", "volatile", "unsigned", "signed", "long", "short", "int", "char", "struct", "typename"}
+
+_PP_NUMBER = re.compile(r"\.?[0-9](?:[eEpP][+-]|[0-9A-Za-z_.])*")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+_PUNCT = sorted(
+    "<<= >>= ... -> ++ -- << >> <= >= == != && || += -= *= /= %= &= |= ^= :: ## "
+    "{ } [ ] ( ) ; : , . ? ~ ! + - * / % ^ & | = < > #".split(),
+    key=len,
+    reverse=True,
+)
+
+
+@dataclass
+class Token:
+    kind: str  # id, num, str, punct, pp (a whole directive line), attr ([[...]], text = inside)
+    text: str
+    line: int
+    pre: str = ""  # whitespace and comments before the token, kept verbatim
+    out: str | None = None  # replacement text (None: the token itself)
+
+    def emit(self) -> str:
+        return self.pre + (self.text if self.out is None else self.out)
+
+
+@dataclass
+class Param:
+    msl_type: str  # the type as written in MSL (for messages)
+    type_tokens: tuple[int, int]  # token index range of the type
+    name: str
+    attribute: str | None  # e.g. "buffer(0)"
+    line: int
+
+
+@dataclass
+class KernelSignature:
+    function: str  # C++ callee, e.g. "attend<half, 128>"
+    host_name: str
+    params: list[Param]
+    line: int
+    max_threads: int = 0
+
+
+@dataclass
+class FunctionAttributes:
+    is_kernel: bool = False
+    host_name: str | None = None
+    max_threads: int = 0
+
+
+class Translator:
+    def __init__(self, text: str, filename: str):
+        self.filename = filename
+        self.text = text
+        self.tokens: list[Token] = []
+        self.trailing = ""  # whitespace and comments after the last token
+        self.kernels: list[KernelSignature] = []
+        self.instantiations: list[tuple[int, int]] = []  # token ranges, removed from the output
+        self.kernel_templates: dict[str, tuple[list[Param], int]] = {}  # name -> (params, max threads)
+        self.tg_sites = 0
+        self.consumed_attrs: set[int] = set()
+
+    # ------------------------------------------------------------------ errors / helpers
+    def error(self, line: int, message: str):
+        raise TranslationError(f"{self.filename}:{line}: error: {message}")
+
+    def tok(self, i: int) -> Token | None:
+        return self.tokens[i] if 0 <= i < len(self.tokens) else None
+
+    def is_(self, i: int, text: str) -> bool:
+        t = self.tok(i)
+        return t is not None and t.kind != "str" and t.text == text and t.kind != "pp"
+
+    def blank(self, i: int):
+        self.tokens[i].out = ""
+
+    def match_close(self, i: int) -> int:
+        """Index of the bracket closing the one at i ((, [, {, <-as-template handled elsewhere)."""
+        pairs = {"(": ")", "[": "]", "{": "}"}
+        opening = self.tokens[i].text
+        closing = pairs[opening]
+        depth = 0
+        for j in range(i, len(self.tokens)):
+            t = self.tokens[j]
+            if t.kind != "punct":
+                continue
+            if t.text == opening:
+                depth += 1
+            elif t.text == closing:
+                depth -= 1
+                if depth == 0:
+                    return j
+        self.error(self.tokens[i].line, f"unbalanced '{opening}'")
+
+    def match_angle(self, i: int) -> int:
+        """Index of the '>' closing the template argument list opened at i."""
+        depth = 0
+        paren = 0
+        for j in range(i, len(self.tokens)):
+            t = self.tokens[j]
+            if t.kind != "punct":
+                continue
+            if t.text in "([{":
+                paren += 1
+            elif t.text in ")]}":
+                paren -= 1
+                if paren < 0:
+                    break
+            elif paren == 0 and t.text == "<":
+                depth += 1
+            elif paren == 0 and t.text in (">", ">>"):
+                depth -= len(t.text)
+                if depth <= 0:
+                    if depth < 0:
+                        self.error(t.line, "'>>' closing two template argument lists: write '> >'")
+                    return j
+            elif paren == 0 and t.text in (";", "{"):
+                break
+        self.error(self.tokens[i].line, "unbalanced '<' in a template argument list")
+
+    def source_text(self, a: int, b: int, translated: bool = False) -> str:
+        """Tokens [a, b) as text on one line (translated: with their replacements)."""
+        out = ""
+        for t in self.tokens[a:b]:
+            s = t.text if not translated or t.out is None else t.out
+            if not s:
+                continue
+            if out and (out[-1].isalnum() or out[-1] in "_>*&") and (s[0].isalnum() or s[0] in "_:"):
+                out += " "
+            elif out.endswith(","):
+                out += " "
+            out += s
+        return out
+
+    # ------------------------------------------------------------------ tokenizer
+    def tokenize(self):
+        text, n, i, line = self.text, len(self.text), 0, 1
+        pre_start = 0
+        at_line_start = True
+        while i < n:
+            c = text[i]
+            if c == "\n":
+                line += 1
+                i += 1
+                at_line_start = True
+                continue
+            if c in " \t\r\f\v":
+                i += 1
+                continue
+            if text.startswith("\\\n", i):  # a line splice (inside a multi-line #define)
+                line += 1
+                i += 2
+                continue
+            if text.startswith("//", i):
+                j = text.find("\n", i)
+                i = n if j < 0 else j
+                continue
+            if text.startswith("/*", i):
+                j = text.find("*/", i + 2)
+                if j < 0:
+                    self.error(line, "unterminated comment")
+                line += text.count("\n", i, j + 2)
+                i = j + 2
+                continue
+            pre = text[pre_start:i]
+            start_line = line
+            if c == "#" and at_line_start:
+                j = i
+                while True:
+                    k = text.find("\n", j)
+                    if k < 0:
+                        k = n
+                        break
+                    if text[k - 1] == "\\":
+                        j = k + 1
+                        continue
+                    break
+                directive = text[i:k]
+                line += directive.count("\n")
+                self.tokens.append(Token("pp", directive, start_line, pre))
+                i = k
+                pre_start = i
+                continue
+            at_line_start = False
+            if text.startswith("[[", i):
+                depth, j = 0, i
+                while j < n:
+                    if text[j] == "[":
+                        depth += 1
+                    elif text[j] == "]":
+                        depth -= 1
+                        if depth == 0:
+                            break
+                    j += 1
+                if j >= n or text[j - 1] != "]":
+                    self.error(line, "unterminated attribute '[['")
+                inner = text[i + 2 : j - 1]
+                line += inner.count("\n")
+                self.tokens.append(Token("attr", " ".join(inner.split()), start_line, pre))
+                i = j + 1
+                pre_start = i
+                continue
+            m = _IDENT.match(text, i)
+            if m and not (c.isdigit()):
+                # u8"..", L'..' prefixes do not occur in MSL; an identifier is an identifier.
+                self.tokens.append(Token("id", m.group(), start_line, pre))
+                i = m.end()
+                pre_start = i
+                continue
+            m = _PP_NUMBER.match(text, i)
+            if m:
+                self.tokens.append(Token("num", m.group(), start_line, pre))
+                i = m.end()
+                pre_start = i
+                continue
+            if c in "\"'":
+                j = i + 1
+                while j < n and text[j] != c:
+                    if text[j] == "\\":
+                        j += 1
+                    if j < n and text[j] == "\n":
+                        self.error(line, "newline in a literal")
+                    j += 1
+                self.tokens.append(Token("str", text[i : j + 1], start_line, pre))
+                i = j + 1
+                pre_start = i
+                continue
+            for p in _PUNCT:
+                if text.startswith(p, i):
+                    self.tokens.append(Token("punct", p, start_line, pre))
+                    i += len(p)
+                    pre_start = i
+                    break
+            else:
+                self.error(line, f"unexpected character {c!r}")
+        self.trailing = text[pre_start:]
+
+    # ------------------------------------------------------------------ passes
+    def check_identifiers_and_literals(self):
+        for t in self.tokens:
+            if t.kind == "id":
+                if t.text in REJECTED_IDENTIFIERS:
+                    self.error(t.line, f"'{t.text}': {REJECTED_IDENTIFIERS[t.text]}")
+                for prefix, why in REJECTED_PREFIXES.items():
+                    if t.text.startswith(prefix):
+                        self.error(t.line, f"'{t.text}': {why}")
+            elif t.kind == "num":
+                t.out = self.translate_number(t)
+
+    def translate_number(self, t: Token) -> str | None:
+        s = t.text
+        low = s.lower()
+        if low.startswith("0x"):
+            if "." in s or "p" in low:
+                self.error(t.line, f"hexadecimal floating literal {s} is not supported")
+            return None  # integers keep their spelling and suffixes
+        is_float = "." in s or "e" in low
+        for suffix, ctor in (("bf", "::metal::bfloat"), ("h", "::metal::half")):
+            if low.endswith(suffix):
+                body = s[: -len(suffix)]
+                if not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", body):
+                    self.error(t.line, f"malformed literal {s}")
+                return f"{ctor}({body}{'' if ('.' in body or 'e' in body.lower()) else '.0'}f)"
+        if is_float:
+            if low.endswith("f"):
+                return None
+            if low.endswith("l"):
+                self.error(t.line, f"long double literal {s} is not MSL")
+            if not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", s):
+                self.error(t.line, f"malformed literal {s}")
+            return s + "f"  # MSL has no double: an unsuffixed floating literal is a float
+        return None
+
+    def preprocess_directives(self):
+        for t in self.tokens:
+            if t.kind != "pp":
+                continue
+            body = t.text[1:].strip()
+            m = re.match(r"(\w+)\s*(.*)", body, re.S)
+            if not m:
+                continue
+            name, rest = m.group(1), m.group(2).strip()
+            if name == "include":
+                if rest == "<metal_stdlib>":
+                    t.out = "// #include <metal_stdlib>: provided by sim/msl.h"
+                elif rest.startswith("<"):
+                    self.error(t.line, f"#include {rest}: only <metal_stdlib> is supported (and project headers in quotes)")
+                elif rest.startswith('"'):
+                    # Project headers are shared with the host C++: include them at global scope,
+                    # where they are (outside the translation's namespace), then resynchronise
+                    # the line numbers.
+                    t.out = (f"}}  // namespace: {rest} is C++ shared with the host\n#include {rest}\n"
+                             f'namespace {{\n#line {t.line + 1} "{self.filename}"')
+                else:
+                    self.error(t.line, f"unsupported #include {rest}")
+            elif name == "pragma":
+                # Loop-unrolling hints mean nothing on the CPU; anything else would be a guess.
+                if re.match(r"(unroll|nounroll|clang\s+loop)\b", rest):
+                    t.out = "// " + t.text
+                else:
+                    self.error(t.line, f"unsupported #pragma {rest}")
+            elif name == "define":
+                t.out = self.translate_define(t)
+
+    def translate_define(self, t: Token) -> str:
+        sub = Translator(t.text[1:].strip()[len("define"):], self.filename)
+        sub.tokenize()
+        for tok in sub.tokens:
+            tok.line = t.line
+        sub.check_identifiers_and_literals()
+        for tok in sub.tokens:
+            if tok.kind == "attr":
+                self.error(t.line, "attributes inside #define are not supported: write kernels and their "
+                                   "instantiations without macros")
+        sub.rewrite_address_spaces(inside_define=True)
+        return "#define" + "".join(tok.emit() for tok in sub.tokens) + sub.trailing
+
+    def find_kernels(self):
+        """Parse kernel definitions and explicit instantiations at file scope."""
+        i, depth = 0, 0
+        n = len(self.tokens)
+        while i < n:
+            t = self.tokens[i]
+            if t.kind == "punct" and t.text == "{":
+                depth += 1
+            elif t.kind == "punct" and t.text == "}":
+                depth -= 1
+            elif depth == 0 and t.kind == "id" and t.text == "template" and not self.is_(i + 1, "<"):
+                i = self.parse_explicit_instantiation(i)
+                continue
+            elif depth == 0 and ((t.kind == "id" and t.text == "kernel") or (t.kind == "attr" and t.text == "kernel")):
+                i = self.parse_kernel_definition(i)
+                continue
+            i += 1
+
+    def absorb_function_attribute(self, k: int, attrs: FunctionAttributes, context: str):
+        """Record the function attribute at token k ([[kernel]], [[host_name]], ...) and blank it."""
+        a = self.tokens[k]
+        host = re.fullmatch(r'host_name\(\s*"([^"]+)"\s*\)', a.text)
+        limit = re.fullmatch(r"max_total_threads_per_threadgroup\(\s*(\d+)\s*\)", a.text)
+        if a.kind == "id" or a.text == "kernel":
+            attrs.is_kernel = True
+        elif host:
+            attrs.host_name = host.group(1)
+        elif limit:
+            attrs.max_threads = int(limit.group(1))
+        else:
+            self.error(a.line, f"unsupported attribute [[{a.text}]] on {context}")
+        self.consumed_attrs.add(k)
+        self.blank(k)
+
+    def parse_kernel_definition(self, i: int) -> int:
+        start_line = self.tokens[i].line
+        attrs = FunctionAttributes()
+        # Attributes before `kernel` / [[kernel]] ...
+        k = i - 1
+        while k >= 0 and self.tokens[k].kind == "attr":
+            self.absorb_function_attribute(k, attrs, "a kernel")
+            k -= 1
+        # ... and after it, up to `void name(`.
+        j = i
+        while self.tokens[j].kind == "attr" or self.is_(j, "kernel"):
+            self.absorb_function_attribute(j, attrs, "a kernel")
+            j += 1
+        if not (self.is_(j, "void") and self.tokens[j + 1].kind == "id" and self.is_(j + 2, "(")):
+            self.error(start_line, "a kernel must be declared as `kernel void name(...)`")
+        name = self.tokens[j + 1].text
+        close = self.match_close(j + 2)
+        params = self.parse_params(j + 3, close, kernel=name)
+        if not self.is_(close + 1, "{"):
+            self.error(start_line, f"kernel '{name}': expected a body")
+        body_end = self.match_close(close + 1)
+        if not self.is_templated(i):
+            self.kernels.append(KernelSignature(name, attrs.host_name or name, params, start_line, attrs.max_threads))
+        elif attrs.host_name:
+            self.error(start_line, f"kernel template '{name}': put [[host_name]] on each explicit instantiation")
+        else:
+            self.kernel_templates[name] = (params, attrs.max_threads)
+        return body_end + 1
+
+    def is_templated(self, i: int) -> bool:
+        """Whether the declaration starting around index i is preceded by `template <...>`."""
+        j = i - 1
+        while j >= 0 and self.tokens[j].kind == "attr":
+            j -= 1
+        if j >= 0 and self.is_(j, ">"):
+            depth = 0
+            while j >= 0:
+                t = self.tokens[j]
+                if t.kind == "punct" and t.text == ">":
+                    depth += 1
+                elif t.kind == "punct" and t.text == "<":
+                    depth -= 1
+                    if depth == 0:
+                        return self.is_(j - 1, "template")
+                elif t.kind == "punct" and t.text in (";", "{", "}"):
+                    return False
+                j -= 1
+        return False
+
+    def parse_explicit_instantiation(self, i: int) -> int:
+        start_line = self.tokens[i].line
+        end = i
+        while not self.is_(end, ";"):
+            if end + 1 >= len(self.tokens):
+                self.error(start_line, "explicit instantiation without ';'")
+            end += 1
+        if not any(self.tokens[k].kind == "attr" or self.is_(k, "kernel") for k in range(i + 1, end)):
+            return i + 1  # an ordinary explicit instantiation: plain C++
+        attrs = FunctionAttributes()
+        j = i + 1
+        while self.tokens[j].kind == "attr" or self.is_(j, "kernel"):
+            self.absorb_function_attribute(j, attrs, "an explicit instantiation")
+            j += 1
+        if not attrs.is_kernel:
+            self.error(start_line, "[[host_name]] on an instantiation that is not a kernel")
+        if not attrs.host_name:
+            self.error(start_line, "a kernel instantiation needs [[host_name(\"...\")]]")
+        if not (self.is_(j, "void") and self.tokens[j + 1].kind == "id" and self.is_(j + 2, "<")):
+            self.error(start_line, "expected `template [[host_name(\"n\")]] [[kernel]] void f<...>(...);`")
+        close_angle = self.match_angle(j + 2)
+        function = self.source_text(j + 1, close_angle + 1)
+        if not self.is_(close_angle + 1, "("):
+            self.error(start_line, "expected the parameter list of the instantiated kernel")
+        close = self.match_close(close_angle + 1)
+        params = self.parse_params(close_angle + 2, close, kernel=attrs.host_name)
+        template = self.tokens[j + 1].text
+        if template not in self.kernel_templates:
+            self.error(start_line, f"'{attrs.host_name}' instantiates '{template}', which is not a kernel template "
+                                   "defined above it")
+        # The launcher binds arguments by the instantiation's attributes: they must be the
+        # template's, parameter by parameter.
+        template_params, template_max_threads = self.kernel_templates[template]
+        declared = [(p.name, p.attribute) for p in template_params]
+        instantiated = [(p.name, p.attribute) for p in params]
+        if declared != instantiated:
+            self.error(start_line, f"'{attrs.host_name}': the parameters (names and attributes) {instantiated} differ "
+                                   f"from those of kernel template '{template}': {declared}")
+        max_threads = attrs.max_threads or template_max_threads
+        self.kernels.append(KernelSignature(function, attrs.host_name, params, start_line, max_threads))
+        self.instantiations.append((i, end))
+        return end + 1
+
+    def parse_params(self, a: int, b: int, kernel: str) -> list[Param]:
+        params: list[Param] = []
+        if a == b or (b - a == 1 and self.is_(a, "void")):
+            return params
+        start = a
+        depth = 0
+        for k in range(a, b + 1):
+            t = self.tokens[k]
+            # Kernel parameters hold no expressions, so '<' and '>' only bracket template arguments.
+            if k < b and t.kind == "punct" and t.text in ("(", "[", "{", "<"):
+                depth += 1
+            if k < b and t.kind == "punct" and t.text in (")", "]", "}", ">"):
+                depth -= 1
+            if k < b and t.kind == "punct" and t.text == ">>":
+                depth -= 2
+            if k == b or (depth == 0 and t.kind == "punct" and t.text == ","):
+                params.append(self.parse_param(start, k, kernel))
+                start = k + 1
+        return params
+
+    def parse_param(self, a: int, b: int, kernel: str) -> Param:
+        attrs = [k for k in range(a, b) if self.tokens[k].kind == "attr"]
+        line = self.tokens[a].line
+        if not attrs:
+            self.error(line, f"kernel '{kernel}': parameter '{self.source_text(a, b)}' needs an attribute "
+                             "([[buffer(i)]], [[threadgroup(i)]] or a position attribute)")
+        if len(attrs) > 1:
+            self.error(line, f"kernel '{kernel}': one attribute per parameter is supported")
+        k = attrs[0]
+        if k != b - 1:
+            self.error(line, f"kernel '{kernel}': the attribute must follow the parameter name")
+        name_tok = self.tokens[k - 1]
+        if name_tok.kind != "id":
+            self.error(line, f"kernel '{kernel}': every parameter needs a name")
+        attribute = self.tokens[k].text
+        m = re.fullmatch(r"(buffer|threadgroup)\(\s*(\d+)\s*\)", attribute)
+        if not m and attribute not in POSITION_ATTRIBUTES:
+            self.error(line, f"kernel '{kernel}': unsupported parameter attribute [[{attribute}]]")
+        self.blank(k)
+        self.consumed_attrs.add(k)
+        return Param(self.source_text(a, k - 1), (a, k - 1), name_tok.text, attribute, line)
+
+    def rewrite_address_spaces(self, inside_define: bool = False):
+        depth = 0
+        i = 0
+        n = len(self.tokens)
+        while i < n:
+            t = self.tokens[i]
+            if t.kind == "punct" and t.text == "{":
+                depth += 1
+            elif t.kind == "punct" and t.text == "}":
+                depth -= 1
+            elif t.kind == "id" and t.text in ADDRESS_SPACES:
+                i = self.rewrite_address_space(i, depth, inside_define)
+                continue
+            i += 1
+
+    def rewrite_address_space(self, i: int, depth: int, inside_define: bool) -> int:
+        space = self.tokens[i].text
+        line = self.tokens[i].line
+        if space == "thread":
+            self.blank(i)
+            return i + 1
+        # Leading cv-qualifiers (`const device T*`) qualify the pointee.
+        first = i
+        cv = []
+        while first - 1 >= 0 and self.tokens[first - 1].kind == "id" and self.tokens[first - 1].text in ("const", "volatile"):
+            first -= 1
+            cv.append(self.tokens[first].text)
+        # The type: keywords, one (qualified, possibly templated) name, trailing cv.
+        j = i + 1
+        type_start = j
+        named = False
+        while j < len(self.tokens):
+            t = self.tokens[j]
+            if t.kind == "id" and t.text in TYPE_KEYWORDS:
+                # `unsigned int`, `long long`: builtin keywords name the type themselves.
+                named |= t.text in ("unsigned", "signed", "long", "short", "int", "char")
+                j += 1
+                continue
+            if t.kind == "id" and not named and t.text not in ADDRESS_SPACES:
+                named = True
+                j += 1
+                while self.is_(j, "::") and self.tok(j + 1) is not None and self.tokens[j + 1].kind == "id":
+                    j += 2
+                if self.is_(j, "<"):
+                    j = self.match_angle(j) + 1
+                continue
+            if self.is_(j, "::") and not named:
+                j += 1
+                continue
+            break
+        if not named and not any(self.tokens[k].text in TYPE_KEYWORDS - {"const", "volatile", "struct", "typename"} for k in range(type_start, j)):
+            self.error(line, f"'{space}' must be followed by a type")
+        type_text = " ".join(cv) + (" " if cv else "") + self.source_text(type_start, j, translated=True)
+        nxt = self.tok(j)
+        if nxt is not None and nxt.kind == "punct" and nxt.text in ("*", "&", "&&"):
+            if nxt.text == "&&":
+                self.error(line, f"rvalue references to the {space} address space are not supported")
+            k = j + 1
+            pointer_const = False
+            while self.tok(k) is not None and self.tokens[k].kind == "id" and self.tokens[k].text in ("const", "restrict", "__restrict", "volatile"):
+                pointer_const |= self.tokens[k].text == "const"
+                k += 1
+            if self.is_(k, "*") or self.is_(k, "&"):
+                self.error(line, f"pointers to pointers in the {space} address space are not supported")
+            if nxt.text == "*":
+                cls = "::metal::threadgroup_ptr" if space == "threadgroup" else "::metal::device_ptr"
+                pointee = type_text if space != "constant" or "const" in type_text.split() else "const " + type_text
+                replacement = ("const " if pointer_const else "") + f"{cls}<{pointee}>"
+            else:
+                is_const = "const" in type_text.split()
+                if space == "device" and not is_const:
+                    self.error(line, "a non-const device reference is not supported (writes through it could not be "
+                                     "checked): use a device pointer")
+                if space in ("device", "constant"):
+                    replacement = (type_text if is_const else "const " + type_text) + "&"
+                else:
+                    replacement = type_text + "&"
+            # reinterpret_cast<device T*>(p) converts between checked pointer classes, which is
+            # a static_cast (the classes' explicit converting constructors reinterpret).
+            if first >= 2 and self.is_(first - 1, "<") and self.is_(first - 2, "reinterpret_cast"):
+                self.tokens[first - 2].out = "static_cast"
+            self.replace_range(first, k, replacement)
+            return k
+        # No pointer or reference: a variable in that address space.
+        if space == "constant":
+            # Program-scope constant: plain C++ const data (not device memory).
+            self.tokens[i].out = "static const" if not self.is_(i + 1, "constexpr") else "static"
+            return i + 1
+        if space == "threadgroup":
+            if inside_define:
+                self.error(line, "threadgroup variables inside #define are not supported")
+            if depth == 0:
+                self.error(line, "threadgroup variables must be declared inside a kernel")
+            return self.rewrite_threadgroup_variable(first, i, j, type_text, line)
+        self.error(line, f"a variable in the {space} address space must be a pointer or a reference")
+
+    def rewrite_threadgroup_variable(self, first: int, i: int, j: int, type_text: str, line: int) -> int:
+        name_tok = self.tok(j)
+        if name_tok is None or name_tok.kind != "id":
+            self.error(line, "expected the name of a threadgroup variable")
+        k = j + 1
+        dims = []
+        while self.is_(k, "["):
+            close = self.match_close(k)
+            if close == k + 1:
+                self.error(line, f"threadgroup array '{name_tok.text}' needs an explicit size")
+            dims.append(self.source_text(k + 1, close, translated=True))
+            k = close + 1
+        if not self.is_(k, ";"):
+            self.error(line, f"threadgroup variable '{name_tok.text}': one variable per declaration, without an "
+                             "initializer (threadgroup memory cannot be initialised in its declaration)")
+        self.tg_sites += 1
+        site = f"tree_attn_sim_tg_site_{self.tg_sites}"
+        decl = f'static constexpr ::tree_attn::sim::detail::TgSite {site}{{"{name_tok.text}"}}; '
+        if dims:
+            args = ", ".join(f"size_t({d})" for d in dims)
+            decl += f"auto {name_tok.text} = ::metal::detail::threadgroup_declare_array<{type_text}, {args}>(&{site})"
+        else:
+            decl += f"decltype(auto) {name_tok.text} = ::metal::detail::threadgroup_declare_scalar<{type_text}>(&{site})"
+        self.replace_range(first, k, decl)
+        return k
+
+    def replace_range(self, a: int, b: int, text: str):
+        self.tokens[a].out = text
+        for k in range(a + 1, b):
+            self.tokens[k].out = ""
+            # Keep line structure: a removed token's newlines stay, its spaces go.
+            self.tokens[k].pre = "\n" * self.tokens[k].pre.count("\n")
+
+    def check_remaining_attributes(self):
+        for k, t in enumerate(self.tokens):
+            if t.kind != "attr" or k in self.consumed_attrs:
+                continue
+            name = re.match(r"[\w:]*", t.text).group()
+            if name in CXX_ATTRIBUTES:
+                t.out = f"[[{t.text}]]"
+                continue
+            if name in ("buffer", "threadgroup") or name in POSITION_ATTRIBUTES:
+                self.error(t.line, f"[[{t.text}]] outside a kernel's parameter list")
+            self.error(t.line, f"unsupported attribute [[{t.text}]]")
+
+    def remove_instantiations(self):
+        for start, end in self.instantiations:
+            self.replace_range(start, end + 1, "/* kernel instantiation: see the launcher below */")
+
+    # ------------------------------------------------------------------ output
+    def launcher(self, index: int, k: KernelSignature) -> str:
+        args, infos = [], []
+        for p in k.params:
+            ctype = self.source_text(p.type_tokens[0], p.type_tokens[1], translated=True)
+            msl = p.msl_type.replace('"', "'")
+            m = re.fullmatch(r"(buffer|threadgroup)\(\s*(\d+)\s*\)", p.attribute)
+            if m:
+                idx = int(m.group(2))
+                args.append(f"::tree_attn::sim::detail::ArgTraits<{ctype}>::make(tta_thread, {idx})")
+                infos.append(f'::tree_attn::sim::detail::resource_param<{ctype}, {str(m.group(1) == "threadgroup").lower()}>'
+                             f'({idx}, "{p.name}", "{msl}")')
+            else:
+                args.append(f"::tree_attn::sim::detail::make_attribute<{ctype}>(tta_thread, "
+                            f"::tree_attn::sim::detail::Attr::{p.attribute})")
+                infos.append(f'::tree_attn::sim::detail::attribute_param("{p.name}", "{msl}")')
+        resources = [p for p in k.params if p.attribute and "(" in p.attribute]
+        seen = {}
+        for p in resources:
+            if p.attribute in seen:
+                self.error(p.line, f"kernel '{k.host_name}': [[{p.attribute}]] used by both '{seen[p.attribute]}' and '{p.name}'")
+            seen[p.attribute] = p.name
+        fn = f"tree_attn_sim_launch_{index}"
+        table = f"tree_attn_sim_params_{index}"
+        joined_args = ",\n      ".join(args)
+        lines = [f'#line {k.line} "{self.filename}"',
+                 f"void {fn}(::tree_attn::sim::detail::ThreadCtx& tta_thread) {{",
+                 f"  {k.function}(" + ("\n      " + joined_args if args else "") + ");",
+                 "}"]
+        if infos:
+            lines.append(f"constexpr ::tree_attn::sim::detail::ParamInfo {table}[] = {{\n    " + ",\n    ".join(infos) + "};")
+        lines.append(f"const ::tree_attn::sim::detail::KernelRegistrar tree_attn_sim_register_{index}{{"
+                     f'::tree_attn::sim::detail::KernelEntry{{"{k.host_name}", &{fn}, '
+                     f"{table if infos else 'nullptr'}, {len(infos)}, {k.max_threads}, \"{self.filename}\"}}}};")
+        return "\n".join(lines)
+
+    def translate(self) -> str:
+        self.tokenize()
+        self.check_identifiers_and_literals()
+        self.preprocess_directives()
+        self.find_kernels()
+        self.check_remaining_attributes()
+        self.rewrite_address_spaces()
+        names = [k.host_name for k in self.kernels]
+        dups = {n for n in names if names.count(n) > 1}
+        if dups:
+            self.error(1, f"kernel name(s) defined twice: {', '.join(sorted(dups))}")
+        # Launchers take their parameter types from the translated tokens: build them before
+        # the instantiations are blanked out.
+        launchers = "\n\n".join(self.launcher(i, k) for i, k in enumerate(self.kernels))
+        self.remove_instantiations()
+        body = "".join(t.emit() for t in self.tokens) + self.trailing
+        header = [
+            f"// Generated by csrc/sim/msl2cpp.py from {self.filename}. Do not edit.",
+            '#include "sim/msl.h"',
+            '#include "sim/kernel_registry.h"',
+            "",
+            "namespace {",
+            "using namespace ::metal;",
+            "TREE_ATTN_SIM_USING_METAL",
+            f'#line 1 "{self.filename}"',
+        ]
+        return "\n".join(header) + "\n" + body + "\n\n// ---- launchers and registry entries ----\n" + launchers + "\n}  // namespace\n"
+
+
+def _display_name(filename: str) -> str:
+    path = os.path.abspath(filename)
+    if path.startswith(REPO_ROOT + os.sep):
+        return os.path.relpath(path, REPO_ROOT)
+    return filename
+
+
+def translate_source(text: str, filename: str = "<msl>") -> str:
+    """Translate MSL source text to C++ (raises TranslationError outside the subset)."""
+    return Translator(text, _display_name(filename) if os.sep in filename else filename).translate()
+
+
+def translate_file(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return translate_source(f.read(), path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: msl2cpp.py INPUT.metal OUTPUT.cpp", file=sys.stderr)
+        return 2
+    try:
+        out = translate_file(argv[1])
+    except TranslationError as e:
+        print(e, file=sys.stderr)
+        return 1
+    with open(argv[2], "w", encoding="utf-8") as f:
+        f.write(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
