@@ -115,6 +115,11 @@ extra_link = []
 if IS_MACOS:
     cxx_flags += ["-fobjc-arc", "-mmacosx-version-min=14.0"]
     extra_link += ["-framework", "Metal", "-framework", "Foundation"]
+else:
+    # at::parallel_for is a header template over OpenMP: without -fopenmp in our own
+    # compile it silently runs on one thread. (Apple clang has no -fopenmp.)
+    cxx_flags.append("-fopenmp")
+    extra_link.append("-fopenmp")
 
 setup(
     name="torch_tree_attn",

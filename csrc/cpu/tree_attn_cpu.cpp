@@ -1,32 +1,708 @@
-// CPU backend. PLACEHOLDER: a composite-ATen implementation of the contract, to be
-// replaced by the fused kernel.
+// CPU backend: the fused tree-attention kernel.
+//
+// Work split. One work item is (batch row b, kv head h, block of stacked query rows,
+// split of the key range). The G query heads x T tree rows that share kv head h are
+// stacked into one row block (row r = g * T + t), so every K/V row is loaded once for all
+// of them. When B * Hkv is small next to the thread count the key range is split too, and
+// the partial softmax states are merged afterwards.
+//
+// Layouts. Scores are kept transposed, S^T[key][row], so the softmax over keys runs
+// across SIMD lanes of rows: running max, sum and rescale are elementwise, with no
+// horizontal reductions. The two products are register-tiled outer products that read
+// K and V straight from the cache (any row stride), with no packing in float32:
+//     S^T[j][r] += K[j][d] (broadcast) * Q^T[d][r] (vector over rows)   score_tile
+//     O[r][d]   += P^T[j][r] (broadcast) * V[j][d] (vector over dims)   value_tile
+// Q is transposed once per work item. float16 K/V blocks are widened to a float32
+// scratch once per block. bfloat16, on CPUs with AVX512-BF16, multiplies bf16 pairs with
+// float32 accumulation (vdpbf16ps): K is read from the cache as is, each V block is
+// interleaved into pairs once, and P is rounded to bf16 for P V. Softmax math is float32.
+//
+// Threads. at::parallel_for is a header template: it only runs in parallel when this file
+// is compiled with OpenMP (setup.py must pass -fopenmp on Linux); tests/test_op_cpu.py
+// checks the built extension for it.
+//
+// Keys. For batch row b, keys [0, off_b) are visible to every row (the prefix) and keys
+// [off_b, off_b + M) follow the mask; nothing at or beyond off_b + M is read. Only key
+// blocks that overlap the window can be fully masked, so only those are checked and
+// skipped, and only those pay for the mask.
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define TREE_ATTN_BF16_DOT 1
+#else
+#define TREE_ATTN_BF16_DOT 0
+#endif
 
 #include "../tree_attn.h"
 
 namespace tree_attn {
 namespace {
 
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------
+// SIMD: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or NEON by the compiler.
+
+constexpr int64_t kLanes = 16;
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using IVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+static_assert(kLanes == 16, "splat lists every lane");
+inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+
+template <typename To, typename From>
+inline To bit_cast(const From& from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
+}
+
+// exp(x) with ~2 ulp error; exactly 0 below -87 (and for -inf), so masked scores add
+// nothing. Range reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for e^r.
+inline Vec vexp(Vec x) {
+  const IVec keep = x > -87.0f;
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec n = (x * 1.44269504088896341f + round_magic) - round_magic;
+  const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 split hi + lo
+  Vec p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const Vec pow2n = bit_cast<Vec>((__builtin_convertvector(n, IVec) + 127) << 23);
+  return bit_cast<Vec>(bit_cast<IVec>(p * pow2n) & keep);
+}
+
+// tanh(y) = sign(y) (1 - e^{-2|y|}) / (1 + e^{-2|y|}); absolute error ~1e-7, which the
+// softcap multiplies by `cap`, far below float32 attention tolerances.
+inline Vec vtanh(Vec y) {
+  const Vec a = y < 0.0f ? -y : y;
+  const Vec e = vexp(-2.0f * a);
+  const Vec t = (1.0f - e) / (1.0f + e);
+  return y < 0.0f ? -t : t;
+}
+
+// ---------------------------------------------------------------------------------------
+// float32 microkernels: MR x NV register tiles (MR * NV <= 16 of 32 AVX-512 registers).
+
+constexpr int kKeyTile = 8;   // keys per score tile
+constexpr int kRowTile = 8;   // rows per value tile (divides kLanes)
+constexpr int kWide = 2;      // vectors per tile row: 32 rows (scores) or 32 dims (values)
+
+// st[i][r] = sum_d k[i][d] * qt[d][r] for i < MR keys, r < NV * kLanes rows.
+template <int MR, int NV>
+inline void score_tile(const float* k, int64_t k_stride, const float* qt, int64_t rp, int64_t D, float* st) {
+  Vec acc[MR][NV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    Vec q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = load(qt + d * rp + v * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const Vec kb = splat(k[i * k_stride + d]);
+      for (int v = 0; v < NV; ++v) acc[i][v] += kb * q[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) store(st + i * rp + v * kLanes, acc[i][v]);
+}
+
+// o[i][c] += sum_j pt[j][i] * vv[j][c] for i < MR rows, c < NV * kLanes dims.
+template <int MR, int NV>
+inline void value_tile(const float* pt, int64_t rp, const float* vv, int64_t v_stride, int64_t nj, float* o,
+                       int64_t D) {
+  Vec acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = load(o + i * D + v * kLanes);
+  for (int64_t j = 0; j < nj; ++j) {
+    Vec x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load(vv + j * v_stride + v * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const Vec pb = splat(pt[j * rp + i]);
+      for (int v = 0; v < NV; ++v) acc[i][v] += pb * x[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) store(o + i * D + v * kLanes, acc[i][v]);
+}
+
+// The last, partial tile of keys: the instantiation with exactly `count` keys.
+template <int NV, int MR = kKeyTile - 1>
+void score_tail(int64_t count, const float* k, int64_t k_stride, const float* qt, int64_t rp, int64_t D,
+                float* st) {
+  if constexpr (MR > 1) {
+    if (count < MR) return score_tail<NV, MR - 1>(count, k, k_stride, qt, rp, D, st);
+  }
+  score_tile<MR, NV>(k, k_stride, qt, rp, D, st);
+}
+
+// S^T[j][r] for nj keys and all rp rows (rp a multiple of kLanes).
+void block_scores(const float* k, int64_t k_stride, int64_t nj, const float* qt, int64_t rp, int64_t D,
+                  float* st) {
+  for (int64_t r = 0; r < rp; r += kWide * kLanes) {
+    const bool wide = r + kWide * kLanes <= rp;
+    int64_t j = 0;
+    for (; j + kKeyTile <= nj; j += kKeyTile) {
+      if (wide) score_tile<kKeyTile, kWide>(k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
+      else score_tile<kKeyTile, 1>(k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
+    }
+    if (j < nj) {
+      if (wide) score_tail<kWide>(nj - j, k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
+      else score_tail<1>(nj - j, k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
+    }
+  }
+}
+
+// O[r][d] += sum_j P^T[j][r] V[j][d] for nj keys, all rp rows (a multiple of kRowTile) and
+// D dims (64, 96, 128 or 256: a multiple of kWide * kLanes).
+void block_values(const float* pt, int64_t rp, const float* vv, int64_t v_stride, int64_t nj, int64_t D,
+                  float* o) {
+  for (int64_t r = 0; r < rp; r += kRowTile)
+    for (int64_t d = 0; d < D; d += kWide * kLanes)
+      value_tile<kRowTile, kWide>(pt + r, rp, vv + d, v_stride, nj, o + r * D + d, D);
+}
+
+#if TREE_ATTN_BF16_DOT
+// ---------------------------------------------------------------------------------------
+// bfloat16 microkernels (AVX512-BF16): vdpbf16ps multiplies 16 lanes of bf16 pairs and
+// accumulates in float32, so the reduction dimension comes in pairs:
+//     scores: pairs of head dims. K's pair is two adjacent elements of a cache row
+//             (broadcast as one 32-bit word); Q is packed qp[d/2][r][2] per work item.
+//     values: pairs of keys. P is packed pp[j/2][r][2] (broadcast), V vp[j/2][d][2].
+
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+inline __m512i broadcast_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return _mm512_set1_epi32(pair);
+}
+
+template <int MR, int NV>
+inline void score_tile_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* qp, int64_t rp, int64_t D,
+                            float* st) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    __m512bh q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = as_bh(_mm512_loadu_si512(qp + 2 * (d2 * rp + v * kLanes)));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh kb = as_bh(broadcast_pair(k + i * k_stride + 2 * d2));
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], kb, q[v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + i * rp + v * kLanes, acc[i][v]);
+}
+
+template <int MR, int NV>
+inline void value_tile_bf16(const uint16_t* pp, int64_t rp, const uint16_t* vp, int64_t nj2, float* o, int64_t D) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_loadu_ps(o + i * D + v * kLanes);
+  for (int64_t j2 = 0; j2 < nj2; ++j2) {
+    __m512bh x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = as_bh(_mm512_loadu_si512(vp + 2 * (j2 * D + v * kLanes)));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh pb = as_bh(broadcast_pair(pp + 2 * (j2 * rp + i)));
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pb, x[v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + i * D + v * kLanes, acc[i][v]);
+}
+
+template <int NV, int MR = kKeyTile - 1>
+void score_tail_bf16(int64_t count, const uint16_t* k, int64_t k_stride, const uint16_t* qp, int64_t rp,
+                     int64_t D, float* st) {
+  if constexpr (MR > 1) {
+    if (count < MR) return score_tail_bf16<NV, MR - 1>(count, k, k_stride, qp, rp, D, st);
+  }
+  score_tile_bf16<MR, NV>(k, k_stride, qp, rp, D, st);
+}
+
+void block_scores_bf16(const uint16_t* k, int64_t k_stride, int64_t nj, const uint16_t* qp, int64_t rp, int64_t D,
+                       float* st) {
+  for (int64_t r = 0; r < rp; r += kWide * kLanes) {
+    const bool wide = r + kWide * kLanes <= rp;
+    const uint16_t* q = qp + 2 * r;
+    int64_t j = 0;
+    for (; j + kKeyTile <= nj; j += kKeyTile) {
+      if (wide) score_tile_bf16<kKeyTile, kWide>(k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
+      else score_tile_bf16<kKeyTile, 1>(k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
+    }
+    if (j < nj) {
+      if (wide) score_tail_bf16<kWide>(nj - j, k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
+      else score_tail_bf16<1>(nj - j, k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
+    }
+  }
+}
+
+void block_values_bf16(const uint16_t* pp, int64_t rp, const uint16_t* vp, int64_t nj2, int64_t D, float* o) {
+  for (int64_t r = 0; r < rp; r += kRowTile)
+    for (int64_t d = 0; d < D; d += kWide * kLanes)
+      value_tile_bf16<kRowTile, kWide>(pp + 2 * r, rp, vp + 2 * d, nj2, o + r * D + d, D);
+}
+
+// Interleaves the 16 lanes of a and b: [a0, b0, a1, b1, ...] as 32 bf16 (round to nearest even).
+inline __m512i interleave_bf16(__m512 a, __m512 b) {
+  const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low 16, b in the high 16
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(order, halves);
+}
+
+// vp[j/2][d][2] = V[j][d] for nj cache rows (an odd count gets a zero partner row, never
+// the cache row after the block, which may be an unused slot).
+void pack_values(const uint16_t* v, int64_t v_stride, int64_t nj, int64_t D, uint16_t* vp) {
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < nj; j += 2) {
+    const uint16_t* a = v + j * v_stride;
+    const uint16_t* b = a + v_stride;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i x = _mm512_loadu_si512(a + d);
+      const __m512i y = j + 1 < nj ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + 2 * ((j / 2) * D + d), _mm512_permutex2var_epi16(x, low, y));
+      _mm512_storeu_si512(vp + 2 * ((j / 2) * D + d + 16), _mm512_permutex2var_epi16(x, high, y));
+    }
+  }
+}
+#endif  // TREE_ATTN_BF16_DOT
+
+// ---------------------------------------------------------------------------------------
+// Work plan.
+
+struct Plan {
+  int64_t rows = 0;        // G * T stacked rows per kv head
+  int64_t row_block = 0;   // rows per work item
+  int64_t row_blocks = 0;
+  int64_t rp = 0;          // row pitch of the scratch buffers: row_block rounded up to kLanes
+  int64_t key_block = 0;   // keys per block (even)
+  int64_t splits = 1;      // key-range splits per (b, h, row block)
+  int64_t items = 0;
+};
+
+constexpr int64_t kMaxRowBlock = 256;
+
+Plan make_plan(const Problem& p, int64_t max_keys) {
+  Plan plan;
+  plan.rows = p.G * p.T;
+  plan.row_blocks = (plan.rows + kMaxRowBlock - 1) / kMaxRowBlock;
+  plan.row_block = (plan.rows + plan.row_blocks - 1) / plan.row_blocks;
+  plan.rp = (plan.row_block + kLanes - 1) / kLanes * kLanes;
+  // A K/V block of 128 KiB in float32 stays in L2 next to Q^T, S^T and O.
+  plan.key_block = 32768 / p.D / 2 * 2;
+  const int64_t tiles = p.B * p.Hkv * plan.row_blocks;
+  const int64_t threads = at::get_num_threads();
+  const int64_t key_blocks = std::max<int64_t>(1, (max_keys + plan.key_block - 1) / plan.key_block);
+  // Enough items that static scheduling balances: split keys only when the natural
+  // items are few compared to the threads.
+  if (tiles < 4 * threads && tiles % threads != 0)
+    plan.splits = std::min(key_blocks, (4 * threads + tiles - 1) / tiles);
+  plan.items = tiles * plan.splits;
+  return plan;
+}
+
+// Softmax state of one work item: unnormalised O (rp x D), running max m and sum l.
+struct State {
+  float* o;
+  float* m;
+  float* l;
+  static int64_t floats(const Plan& plan, int64_t D) { return plan.rp * D + 2 * plan.rp; }
+  static State at(float* base, const Plan& plan, int64_t D) {
+    return {base, base + plan.rp * D, base + plan.rp * D + plan.rp};
+  }
+};
+
+// Per-thread scratch, carved from one allocation.
+struct Scratch {
+  float* qt;        // Q^T (float path) or packed Q pairs (bf16 path): D x rp floats
+  float* st;        // S^T, then P^T on the float path: key_block x rp
+  float* kv;        // float path: a widened K or V block
+  uint16_t* vp;     // bf16 path, in kv's space: V pairs vp[j/2][d][2] ...
+  uint16_t* pp;     // ... and P pairs pp[j/2][r][2]
+  float* alpha;     // rp: rescale factors of one block
+  int64_t* mrow;    // rp: mask element offset of each row's (b, query head, tree row)
+  float* own;       // a State for unsplit items
+  static int64_t floats(const Plan& plan, int64_t D) {
+    return D * plan.rp + plan.key_block * plan.rp + plan.key_block * D + plan.key_block * plan.rp / 2 + plan.rp +
+           2 * plan.rp /* mrow, int64 */ + State::floats(plan, D);
+  }
+  static Scratch carve(float* base, const Plan& plan, int64_t D) {
+    Scratch s;
+    s.qt = base;
+    s.st = s.qt + D * plan.rp;
+    s.kv = s.st + plan.key_block * plan.rp;
+    s.vp = reinterpret_cast<uint16_t*>(s.kv);
+    s.pp = s.vp + plan.key_block * D;
+    s.alpha = s.kv + plan.key_block * D + plan.key_block * plan.rp / 2;
+    s.mrow = reinterpret_cast<int64_t*>(s.alpha + plan.rp);
+    s.own = reinterpret_cast<float*>(s.mrow + plan.rp);
+    return s;
+  }
+};
+
+// Each thread keeps its scratch between calls: a fresh megabyte per call would cost an
+// allocation and its page faults every time. 64-byte aligned, so rows of rp floats start
+// on cache lines.
+float* thread_scratch(int64_t floats) {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<float, Free> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < floats) {
+    const size_t bytes = (size_t(floats) * sizeof(float) + 63) / 64 * 64;
+    buffer.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(buffer, "tree_attn CPU kernel: out of memory for ", bytes, " bytes of scratch");
+    capacity = floats;
+  }
+  return buffer.get();
+}
+
+template <typename scalar_t>
+struct Kernel {
+  const Prepared& in;
+  const Problem& p;
+  const Plan& plan;
+  const int32_t* offsets;  // null: all zero
+
+  // bfloat16 takes the dot-product path when the CPU has it.
+  static constexpr bool kBf16Dot = TREE_ATTN_BF16_DOT && std::is_same_v<scalar_t, at::BFloat16>;
+
+  int64_t offset(int64_t b) const { return offsets ? offsets[b] : 0; }
+  int64_t head_of(int64_t h, int64_t row) const { return h * p.G + row / p.T; }
+
+  const scalar_t* query_row(int64_t b, int64_t h, int64_t row) const {
+    return in.query.data_ptr<scalar_t>() + b * p.q_stride[0] + head_of(h, row) * p.q_stride[1] +
+           (row % p.T) * p.q_stride[2];
+  }
+
+  // Q^T * scale for rows [r0, r0 + nr) (bf16 path: unscaled bf16 pairs), zero padding.
+  void load_query(int64_t b, int64_t h, int64_t r0, int64_t nr, float* qt) const {
+    const int64_t rp = plan.rp;
+    if constexpr (kBf16Dot) {
+      // A pair of adjacent head dims is one 32-bit word: transpose words.
+      auto* words = reinterpret_cast<uint32_t*>(qt);
+      std::fill(words, words + p.D / 2 * rp, 0u);
+      for (int64_t r = 0; r < nr; ++r) {
+        const scalar_t* src = query_row(b, h, r0 + r);
+        for (int64_t d2 = 0; d2 < p.D / 2; ++d2) std::memcpy(&words[d2 * rp + r], src + 2 * d2, 4);
+      }
+    } else {
+      std::fill(qt, qt + p.D * rp, 0.0f);
+      for (int64_t r = 0; r < nr; ++r) {
+        const scalar_t* src = query_row(b, h, r0 + r);
+        for (int64_t d = 0; d < p.D; ++d) qt[d * rp + r] = float(src[d]) * p.scale;
+      }
+    }
+  }
+
+  const scalar_t* cache_rows(const at::Tensor& t, const int64_t* stride, int64_t b, int64_t h, int64_t j0) const {
+    return t.data_ptr<scalar_t>() + b * stride[0] + h * stride[1] + j0 * stride[2];
+  }
+
+  // nj cache rows as float32 with a row stride: the cache itself for float32, else
+  // widened into `scratch`.
+  const float* rows_as_float(const scalar_t* rows, int64_t stride, int64_t nj, float* scratch,
+                             int64_t* row_stride) const {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      *row_stride = stride;
+      return rows;
+    } else {
+      for (int64_t j = 0; j < nj; ++j)
+        for (int64_t d = 0; d < p.D; ++d) scratch[j * p.D + d] = float(rows[j * stride + d]);
+      *row_stride = p.D;
+      return scratch;
+    }
+  }
+
+  // Mask element offsets of the (b, query head, tree row) of rows [r0, r0 + nr).
+  void mask_rows(int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t* mrow) const {
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t row = r0 + r;
+      mrow[r] = b * p.mask_stride[0] + head_of(h, row) * p.mask_stride[1] + (row % p.T) * p.mask_stride[2];
+    }
+  }
+
+  template <typename Fn>
+  void for_each_mask_value(Fn&& fn) const {
+    if (p.mask_kind == MaskKind::Bool) fn(in.mask.data_ptr<bool>());
+    else fn(in.mask.data_ptr<float>());
+  }
+
+  static float bias_of(bool visible) { return visible ? 0.0f : -kInf; }
+  static float bias_of(float bias) { return bias; }
+
+  bool any_visible(const int64_t* mrow, int64_t nr, int64_t c0, int64_t c1) const {
+    bool found = false;
+    for_each_mask_value([&](const auto* mask) {
+      for (int64_t r = 0; r < nr && !found; ++r)
+        for (int64_t c = c0; c < c1 && !found; ++c) found = bias_of(mask[mrow[r] + c * p.mask_stride[3]]) != -kInf;
+    });
+    return found;
+  }
+
+  // S^T[c - c0][r] += bias of window column c, for window columns [c0, c1).
+  void add_bias(const int64_t* mrow, int64_t nr, int64_t c0, int64_t c1, float* st) const {
+    for_each_mask_value([&](const auto* mask) {
+      for (int64_t c = c0; c < c1; ++c) {
+        float* row = st + (c - c0) * plan.rp;
+        const int64_t col = c * p.mask_stride[3];
+        for (int64_t r = 0; r < nr; ++r) row[r] += bias_of(mask[mrow[r] + col]);
+      }
+    });
+  }
+
+  // s -> softcap(s * scale) in place (before the mask's bias, as the contract orders it).
+  void scale_and_cap(float* st, int64_t nj, float scale) const {
+    const float cap = p.softcap, inv_cap = 1.0f / p.softcap;
+    for (int64_t i = 0; i < nj * plan.rp; i += kLanes) {
+      Vec s = load(st + i) * scale;
+      if (p.softcap > 0) s = cap * vtanh(s * inv_cap);
+      store(st + i, s);
+    }
+  }
+
+  // Online-softmax update with the block's scores (times `scale`): m and l advance,
+  // alpha gets each row's rescale factor for O, and the probabilities P go to P^T in
+  // place (float path) or, rounded to bf16, to the pairs pp[j/2][r][2] (bf16 path).
+  void softmax_update(float* st, int64_t nj, float scale, float* m, float* l, float* alpha, uint16_t* pp) const {
+    const int64_t rp = plan.rp;
+    for (int64_t r = 0; r < rp; r += kLanes) {
+      Vec block_max = splat(-kInf);
+      for (int64_t j = 0; j < nj; ++j) block_max = vmax(block_max, load(st + j * rp + r) * scale);
+      const Vec m_old = load(m + r);
+      const Vec m_new = vmax(m_old, block_max);
+      // A row that has seen no key yet keeps m = -inf; subtract 0 instead so every
+      // exponent is exp(-inf) = 0 rather than NaN.
+      const Vec m_ref = m_new == -kInf ? splat(0.0f) : m_new;
+      Vec sum = splat(0.0f);
+      // Keys in pairs; an odd count gets a zero partner (S^T has key_block rows, an even
+      // number, so row nj exists whenever nj is odd).
+      for (int64_t j = 0; j < nj; j += 2) {
+        const Vec e0 = vexp(load(st + j * rp + r) * scale - m_ref);
+        const Vec e1 = j + 1 < nj ? vexp(load(st + (j + 1) * rp + r) * scale - m_ref) : splat(0.0f);
+        sum += e0 + e1;
+#if TREE_ATTN_BF16_DOT
+        if constexpr (kBf16Dot) {
+          _mm512_storeu_si512(pp + 2 * ((j / 2) * rp + r), interleave_bf16(bit_cast<__m512>(e0), bit_cast<__m512>(e1)));
+          continue;
+        }
+#endif
+        store(st + j * rp + r, e0);
+        store(st + (j + 1) * rp + r, e1);
+      }
+      const Vec a = vexp(m_old - m_ref);
+      store(l + r, load(l + r) * a + sum);
+      store(m + r, m_new);
+      store(alpha + r, a);
+    }
+  }
+
+  void rescale(float* o, const float* alpha, int64_t nr) const {
+    for (int64_t r = 0; r < nr; ++r) {
+      if (alpha[r] == 1.0f) continue;
+      const Vec a = splat(alpha[r]);
+      for (int64_t d = 0; d < p.D; d += kLanes) store(o + r * p.D + d, load(o + r * p.D + d) * a);
+    }
+  }
+
+  void prefetch_rows(const scalar_t* rows, int64_t stride, int64_t n) const {
+    constexpr int64_t kLine = 64;
+    const auto* bytes = reinterpret_cast<const char*>(rows);
+    const int64_t row_bytes = p.D * int64_t(sizeof(scalar_t));
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t c = 0; c < row_bytes; c += kLine)
+        __builtin_prefetch(bytes + j * stride * int64_t(sizeof(scalar_t)) + c, /*rw=*/0, /*locality=*/2);
+  }
+
+  // S^T of the block's nj keys (starting at cache row k) into s.st.
+  void scores(const scalar_t* k, int64_t nj, const Scratch& s) const {
+#if TREE_ATTN_BF16_DOT
+    if constexpr (kBf16Dot) {
+      return block_scores_bf16(reinterpret_cast<const uint16_t*>(k), p.k_stride[2], nj,
+                               reinterpret_cast<const uint16_t*>(s.qt), plan.rp, p.D, s.st);
+    }
+#endif
+    int64_t k_stride = 0;
+    const float* kf = rows_as_float(k, p.k_stride[2], nj, s.kv, &k_stride);
+    block_scores(kf, k_stride, nj, s.qt, plan.rp, p.D, s.st);
+  }
+
+  // O += P V for the block's nj keys (P from softmax_update, V starting at cache row v).
+  void accumulate_values(const scalar_t* v, int64_t nj, const Scratch& s, float* o) const {
+#if TREE_ATTN_BF16_DOT
+    if constexpr (kBf16Dot) {
+      pack_values(reinterpret_cast<const uint16_t*>(v), p.v_stride[2], nj, p.D, s.vp);
+      return block_values_bf16(s.pp, plan.rp, s.vp, (nj + 1) / 2, p.D, o);
+    }
+#endif
+    int64_t v_stride = 0;
+    const float* vf = rows_as_float(v, p.v_stride[2], nj, s.kv, &v_stride);
+    block_values(s.st, plan.rp, vf, v_stride, nj, p.D, o);
+  }
+
+  // One work item: rows [r0, r0 + nr) of (b, h) over key blocks [kb0, kb1).
+  void run_item(int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t kb0, int64_t kb1, const Scratch& s,
+                const State& state) const {
+    const int64_t rp = plan.rp, D = p.D;
+    const int64_t off = offset(b), end = off + p.M;
+    std::fill(state.o, state.o + rp * D, 0.0f);
+    std::fill(state.m, state.m + rp, -kInf);
+    std::fill(state.l, state.l + rp, 0.0f);
+    load_query(b, h, r0, nr, s.qt);
+    mask_rows(b, h, r0, nr, s.mrow);
+    // float path: the scale is folded into Q; bf16 path: applied to the scores.
+    const float score_scale = kBf16Dot ? p.scale : 1.0f;
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      const int64_t j0 = kb * plan.key_block, j1 = std::min(end, j0 + plan.key_block);
+      if (j0 >= j1) break;
+      const int64_t nj = j1 - j0;
+      // Window columns of this block; prefix keys are always visible, so only a block
+      // lying entirely inside the window can be skipped.
+      const int64_t w0 = std::max(j0, off);
+      const bool in_window = w0 < j1;
+      if (in_window && j0 >= off && !any_visible(s.mrow, nr, w0 - off, j1 - off)) continue;
+
+      const scalar_t* k = cache_rows(in.key, p.k_stride, b, h, j0);
+      const scalar_t* v = cache_rows(in.value, p.v_stride, b, h, j0);
+      if (kb + 1 < kb1) {
+        // Start pulling the next block's K and V towards L2 while this one computes.
+        const int64_t next = std::min(end, j1 + plan.key_block) - j1;
+        prefetch_rows(cache_rows(in.key, p.k_stride, b, h, j1), p.k_stride[2], next);
+        prefetch_rows(cache_rows(in.value, p.v_stride, b, h, j1), p.v_stride[2], next);
+      }
+      scores(k, nj, s);
+      float scale = score_scale;
+      if (p.softcap > 0 || in_window) {
+        scale_and_cap(s.st, nj, scale);
+        scale = 1.0f;
+        if (in_window) add_bias(s.mrow, nr, w0 - off, j1 - off, s.st + (w0 - j0) * rp);
+      }
+      softmax_update(s.st, nj, scale, state.m, state.l, s.alpha, s.pp);
+      rescale(state.o, s.alpha, nr);
+      accumulate_values(v, nj, s, state.o);
+    }
+  }
+
+  // Normalised output and lse of rows [r0, r0 + nr) from a finished softmax state.
+  void write_rows(int64_t b, int64_t h, int64_t r0, int64_t nr, const State& state, at::Tensor& out,
+                  at::Tensor& lse) const {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    float* ls = lse.data_ptr<float>();
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t row = r0 + r, i = (b * p.Hq + head_of(h, row)) * p.T + row % p.T;
+      const bool sees_none = state.l[r] == 0.0f;
+      const float inv = sees_none ? 0.0f : 1.0f / state.l[r];
+      const float* src = state.o + r * p.D;
+      scalar_t* dst = o + i * p.D;
+      for (int64_t d = 0; d < p.D; ++d) dst[d] = scalar_t(src[d] * inv);
+      ls[i] = sees_none ? -kInf : state.m[r] + std::log(state.l[r]);
+    }
+  }
+
+  int64_t rows_in(int64_t rb) const { return std::min(plan.row_block, plan.rows - rb * plan.row_block); }
+
+  void run(at::Tensor& out, at::Tensor& lse) const {
+    const int64_t D = p.D;
+    const int64_t state_floats = State::floats(plan, D);
+    // Split items keep their partial state until the merge; unsplit ones use scratch.
+    at::Tensor partials;
+    if (plan.splits > 1) partials = at::empty({plan.items, state_floats}, at::kFloat);
+
+    // Items are handed out one at a time, not in fixed chunks: cores are often shared
+    // with other work, and a static split would wait for the slowest thread.
+    std::atomic<int64_t> next_item{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), plan.items);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      const Scratch s = Scratch::carve(thread_scratch(Scratch::floats(plan, D)), plan, D);
+      for (int64_t item = next_item++; item < plan.items; item = next_item++) {
+        const int64_t split = item % plan.splits, tile = item / plan.splits;
+        const int64_t rb = tile % plan.row_blocks, bh = tile / plan.row_blocks;
+        const int64_t b = bh / p.Hkv, h = bh % p.Hkv;
+        const int64_t blocks = (offset(b) + p.M + plan.key_block - 1) / plan.key_block;
+        const int64_t kb0 = blocks * split / plan.splits, kb1 = blocks * (split + 1) / plan.splits;
+        float* base = plan.splits > 1 ? partials.data_ptr<float>() + item * state_floats : s.own;
+        const State state = State::at(base, plan, D);
+        run_item(b, h, rb * plan.row_block, rows_in(rb), kb0, kb1, s, state);
+        if (plan.splits == 1) write_rows(b, h, rb * plan.row_block, rows_in(rb), state, out, lse);
+      }
+    });
+    if (plan.splits > 1) merge(partials, out, lse);
+  }
+
+  // Combines the splits of each (b, h, row block): rescale every split's state to the
+  // common max, add, normalise.
+  void merge(const at::Tensor& partials, at::Tensor& out, at::Tensor& lse) const {
+    const int64_t rp = plan.rp, D = p.D;
+    const int64_t state_floats = State::floats(plan, D);
+    const int64_t tiles = plan.items / plan.splits;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      at::Tensor buffer = at::empty({state_floats}, at::kFloat);
+      const State total = State::at(buffer.data_ptr<float>(), plan, D);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        float* first = partials.data_ptr<float>() + tile * plan.splits * state_floats;
+        std::fill(total.m, total.m + rp, -kInf);
+        for (int64_t sp = 0; sp < plan.splits; ++sp) {
+          const State part = State::at(first + sp * state_floats, plan, D);
+          for (int64_t r = 0; r < rp; ++r) total.m[r] = std::max(total.m[r], part.m[r]);
+        }
+        std::fill(total.o, total.o + rp * D, 0.0f);
+        std::fill(total.l, total.l + rp, 0.0f);
+        for (int64_t sp = 0; sp < plan.splits; ++sp) {
+          const State part = State::at(first + sp * state_floats, plan, D);
+          for (int64_t r = 0; r < rp; ++r) {
+            // A split that saw no key has l = 0 and m = -inf: weight 0, not NaN.
+            const float w = part.l[r] == 0.0f ? 0.0f : std::exp(part.m[r] - total.m[r]);
+            total.l[r] += part.l[r] * w;
+            for (int64_t d = 0; d < D; ++d) total.o[r * D + d] += part.o[r * D + d] * w;
+          }
+        }
+        const int64_t rb = tile % plan.row_blocks, bh = tile / plan.row_blocks;
+        write_rows(bh / p.Hkv, bh % p.Hkv, rb * plan.row_block, rows_in(rb), total, out, lse);
+      }
+    });
+  }
+};
+
 void forward_cpu_impl(const Prepared& in, at::Tensor& out, at::Tensor& lse) {
-  const auto& p = in.p;
-  for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t off = p.has_offsets ? in.offsets[b].item<int64_t>() : 0;
-    const int64_t n = off + p.M;
-    auto q = in.query[b].to(at::kFloat);                                      // [Hq, T, D]
-    auto k = in.key[b].narrow(1, 0, n).to(at::kFloat).repeat_interleave(p.G, 0);  // [Hq, n, D]
-    auto v = in.value[b].narrow(1, 0, n).to(at::kFloat).repeat_interleave(p.G, 0);
-    auto s = at::matmul(q, k.transpose(1, 2)) * p.scale;                      // [Hq, T, n]
-    if (p.softcap > 0) s = at::tanh(s / p.softcap) * p.softcap;
-    auto mb = in.mask.dim() == 3 ? in.mask.unsqueeze(1) : in.mask;
-    mb = mb[mb.size(0) == 1 ? 0 : b].expand({p.Hq, p.T, p.M});
-    auto bias = mb.scalar_type() == at::kBool
-                    ? at::where(mb, 0.0f, -std::numeric_limits<float>::infinity())
-                    : mb.to(at::kFloat);
-    s.narrow(2, off, p.M).add_(bias);
-    auto l = at::logsumexp(s, -1, true);
-    auto w = at::where(at::isinf(l), at::zeros_like(s), at::exp(s - l));
-    out[b].copy_(at::matmul(w, v));
-    lse[b].copy_(l.squeeze(-1));
+  const Problem& p = in.p;
+  const int32_t* offsets = p.has_offsets ? in.offsets.data_ptr<int32_t>() : nullptr;
+  int64_t max_keys = p.M;
+  if (offsets)
+    for (int64_t b = 0; b < p.B; ++b) max_keys = std::max<int64_t>(max_keys, offsets[b] + p.M);
+  const Plan plan = make_plan(p, max_keys);
+  switch (p.dtype) {
+    case at::kFloat: return Kernel<float>{in, p, plan, offsets}.run(out, lse);
+    case at::kHalf: return Kernel<at::Half>{in, p, plan, offsets}.run(out, lse);
+    case at::kBFloat16: return Kernel<at::BFloat16>{in, p, plan, offsets}.run(out, lse);
+    default: TORCH_CHECK(false, "tree_attn CPU kernel: unexpected dtype ", p.dtype);  // prepare() rejects it
   }
 }
 

@@ -1,0 +1,127 @@
+"""torch.compile and torch.library support of the ops, on CPU.
+
+- ``torch.library.opcheck``: schema, fake (meta) implementation, dispatch and
+  functionalization agree with the real CPU kernel.
+- ``torch.compile(fullgraph=True)``: a function calling the op compiles with no graph break
+  and returns what eager returns.
+- A verify loop over a static cache with a changing ``mask_offset`` tensor compiles once:
+  after the first call a recompilation raises (``torch.compiler.set_stance("fail_on_recompile")``).
+"""
+import contextlib
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import torch_tree_attn
+from tests.cases import Case, make_inputs, random_tree_mask
+
+ops = torch.ops.tree_attn
+ARG_ORDER = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap")
+
+
+def args_of(inputs):
+    return tuple(inputs[name] for name in ARG_ORDER)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+OPCHECK_CASES = [
+    Case(),  # bool [B, T, M] tree mask, int64 offsets
+    Case(B=2, Hq=8, Hkv=2, T=5, S=40, dtype=torch.bfloat16, mask_kind="float", window="dense"),  # no offsets
+    Case(B=2, Hq=4, Hkv=4, T=3, S=20, D=96, dtype=torch.float16, mask_kind="float_min", kv_layout="bshd",
+         mask_shape="none", offset_dtype=torch.int32),
+    Case(B=1, Hq=2, Hkv=1, T=4, S=9, D=128, window="empty", mask_shape="heads", softcap=10.0, scale=0.2),
+]
+
+
+@pytest.mark.parametrize("op_name", ["forward", "forward_with_lse"])
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
+def test_opcheck(op_name, case):
+    torch.library.opcheck(getattr(ops, op_name), args_of(make_inputs(case)))
+
+
+def test_fake_outputs_match_real_outputs():
+    inputs = make_inputs(Case(B=2, Hq=8, Hkv=2, kv_layout="bshd", dtype=torch.bfloat16))
+    real_out, real_lse = ops.forward_with_lse(*args_of(inputs))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args_of(inputs)]
+        fake_out, fake_lse = ops.forward_with_lse(*fake_args)
+    for real, fake in ((real_out, fake_out), (real_lse, fake_lse)):
+        assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
+
+
+def test_fullgraph_compile_matches_eager():
+    inputs = make_inputs(Case(B=2, Hq=8, Hkv=2, T=5, S=48, D=64, softcap=30.0))
+
+    def attend(q, k, v, mask, off):
+        # Something around the op, so the graph is more than a single call.
+        out, lse = torch.ops.tree_attn.forward_with_lse(q * 1.0, k, v, mask, off, None, 30.0)
+        return out.transpose(1, 2).flatten(2), lse.exp()
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    args = args_of(inputs)[:5]
+    got = compiled(*args)
+    expected = attend(*args)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-6, atol=1e-6)
+
+
+def test_python_api_compiles_without_graph_break():
+    inputs = make_inputs(Case(B=1, Hq=4, Hkv=1, T=6, S=30, dtype=torch.bfloat16))
+
+    def attend(q, k, v, mask, off):
+        return torch_tree_attn.tree_attention(q, k, v, mask, off, return_lse=True)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(attend, backend=counter, fullgraph=True)(*args_of(inputs)[:5])
+    expected = attend(*args_of(inputs)[:5])
+    assert counter.frame_count == 1 and counter.op_count >= 1
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_verify_loop_with_changing_offsets_compiles_once(backend):
+    # A static cache: fixed capacity S, the tree's K/V written at [off, off + T) each round,
+    # and the committed prefix growing. Only tensor *values* change, never shapes.
+    B, Hq, Hkv, T, S, D = 2, 8, 2, 6, 160, 64
+    gen = torch.Generator().manual_seed(0)
+    cache_k = torch.randn(B, Hkv, S, D, generator=gen)
+    cache_v = torch.randn(B, Hkv, S, D, generator=gen)
+    mask = torch.stack([random_tree_mask(T, gen) for _ in range(B)])
+
+    def verify_step(q, k_new, v_new, cache_k, cache_v, mask, off):
+        # Write the tree's K/V into the cache at each row's offset, then attend.
+        pos = off[:, None] + torch.arange(T)
+        idx = pos[:, None, :, None].expand(B, Hkv, T, D)
+        cache_k.scatter_(2, idx, k_new)
+        cache_v.scatter_(2, idx, v_new)
+        return torch.ops.tree_attn.forward(q, cache_k, cache_v, mask, off, None, None)
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(verify_step, backend=counter, fullgraph=True, dynamic=False)
+    prefix = torch.tensor([10, 37])
+    for step in range(4):
+        q = torch.randn(B, Hq, T, D, generator=gen)
+        k_new = torch.randn(B, Hkv, T, D, generator=gen)
+        v_new = torch.randn(B, Hkv, T, D, generator=gen)
+        eager_k, eager_v = cache_k.clone(), cache_v.clone()
+        expected = verify_step(q, k_new, v_new, eager_k, eager_v, mask, prefix)
+        # After the first call any recompilation is an error, not a silent slowdown.
+        guard = torch.compiler.set_stance("fail_on_recompile") if step > 0 else contextlib.nullcontext()
+        with guard:
+            got = compiled(q, k_new, v_new, cache_k, cache_v, mask, prefix.clone())
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(cache_k, eager_k) and torch.equal(cache_v, eager_v)
+        prefix = prefix + torch.tensor([3, 5])  # accepted tokens: a new offsets tensor
+    assert counter.frame_count == 1

@@ -1,0 +1,438 @@
+"""The CPU kernel behind ``torch.ops.tree_attn.forward`` / ``forward_with_lse``.
+
+Everything is compared with the float64 reference (``torch_tree_attn.reference``), which
+is written from the contract and shares no code with the kernel. Inputs come from
+``tests/cases.py``: every cache slot the contract says is never read holds NaN, so a
+kernel that reads one fails loudly.
+"""
+import contextlib
+import math
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torch_tree_attn
+from tests.cases import (DTYPES, HEAD_DIMS, TOLERANCE, check_against_reference, make_inputs,
+                         parity_matrix, random_tree_mask)
+from torch_tree_attn.reference import tree_attention_reference
+
+ops = torch.ops.tree_attn
+ARG_ORDER = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap")
+NAN = float("nan")
+
+
+def args_of(inputs):
+    return tuple(inputs[name] for name in ARG_ORDER)
+
+
+@contextlib.contextmanager
+def num_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def tree_inputs(B=1, Hq=4, Hkv=1, T=8, prefix=(40,), D=64, dtype=torch.float32, S=None, seed=0):
+    """Compact tree form: prefix_b committed keys, then T tree keys, NaN after them."""
+    gen = torch.Generator().manual_seed(seed)
+    S = S if S is not None else max(prefix) + T
+    q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    for b, off in enumerate(prefix):
+        k[b, :, off + T:] = NAN
+        v[b, :, off + T:] = NAN
+    mask = torch.stack([random_tree_mask(T, gen) for _ in range(B)])
+    off = torch.tensor(prefix, dtype=torch.int64)
+    return dict(query=q, key=k, value=v, mask=mask, mask_offset=off, scale=None, softcap=None)
+
+
+# ---------------------------------------------------------------------------------------
+# The shared parity matrix, through both ops.
+
+MATRIX = parity_matrix()
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=str)
+def test_parity_matrix(case):
+    inputs = make_inputs(case)
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+    # forward is the same kernel without the lse: bit-identical output.
+    assert torch.equal(ops.forward(**inputs), out)
+
+
+def test_matrix_covers_the_contract():
+    seen = lambda attr: {getattr(c, attr) for c in MATRIX}  # noqa: E731
+    assert seen("dtype") == set(DTYPES) and seen("D") == set(HEAD_DIMS)
+    assert {c.Hq // c.Hkv for c in MATRIX} == {1, 4, 8} and seen("T") == {1, 5, 64, 100}
+    assert seen("mask_kind") == {"bool", "float", "float_min"}
+    assert seen("window") == {"compact", "dense", "empty"}
+    assert seen("kv_layout") == {"contiguous", "bshd"}
+    assert seen("mask_shape") == {"3d", "none", "batch", "heads"}
+    assert any(c.softcap for c in MATRIX) and any(c.B > 1 and c.offsets == "varied" for c in MATRIX)
+
+
+# ---------------------------------------------------------------------------------------
+# Property tests: random shapes, strides, masks and offsets against the reference.
+
+def _strided(t, layout, gen):
+    """The same values as `t` ([B, H, S, D]) in another memory layout."""
+    if layout == "bshd":  # a [B, S, H, D] cache passed as a transposed view
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "padded":  # rows and heads padded in a larger buffer, with a storage offset
+        B, H, S, D = t.shape
+        big = torch.randn(B, H + 1, S + 3, D + 16, generator=gen).to(t.dtype)
+        view = big[:, 1:, 2:S + 2, 8:D + 8]
+        view.copy_(t)
+        return view
+    if layout == "dim_major":  # stride(-1) != 1: the op must copy, not misread
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return t
+
+
+@st.composite
+def problems(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    D = draw(st.sampled_from(HEAD_DIMS))
+    Hkv = draw(st.integers(1, 3))
+    G = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    B = draw(st.integers(1, 3))
+    T = draw(st.integers(1, 40))
+    M = draw(st.sampled_from([0, T, T + draw(st.integers(0, 20))]))
+    S = M + draw(st.integers(0, 300))
+    offsets = [draw(st.integers(0, S - M)) for _ in range(B)]
+    kind = draw(st.sampled_from(["bool", "float"]))
+    mask_shape = draw(st.sampled_from(["3d", "batch", "heads", "full", "transposed"]))
+    layouts = [draw(st.sampled_from(["contiguous", "bshd", "padded", "dim_major"])) for _ in range(3)]
+    use_offsets = draw(st.booleans()) or any(offsets)
+    softcap = draw(st.sampled_from([None, None, 5.0, 30.0]))
+    scale = draw(st.sampled_from([None, None, 0.03, 0.4]))
+    density = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dict(dtype=dtype, D=D, Hkv=Hkv, Hq=G * Hkv, B=B, T=T, M=M, S=S, offsets=offsets, kind=kind,
+                mask_shape=mask_shape, layouts=layouts, use_offsets=use_offsets, softcap=softcap, scale=scale,
+                density=density, seed=seed)
+
+
+def build(pr):
+    gen = torch.Generator().manual_seed(pr["seed"])
+    B, Hq, Hkv, T, M, S, D = (pr[n] for n in ("B", "Hq", "Hkv", "T", "M", "S", "D"))
+    offsets = pr["offsets"] if pr["use_offsets"] else [0] * B
+    q = torch.randn(B, Hq, T, D, generator=gen).to(pr["dtype"])
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(pr["dtype"])
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(pr["dtype"])
+    for b, off in enumerate(offsets):
+        k[b, :, off + M:] = NAN
+        v[b, :, off + M:] = NAN
+    q, k, v = (_strided(t, layout, gen) for t, layout in zip((q, k, v), pr["layouts"]))
+    mb, mh = {"3d": (B, 1), "batch": (1, 1), "heads": (B, 1), "full": (B, Hq), "transposed": (B, Hq)}[pr["mask_shape"]]
+    visible = torch.rand(mb, mh, T, M, generator=gen) < pr["density"]
+    if pr["kind"] == "bool":
+        mask = visible
+    else:
+        mask = torch.where(visible, torch.randn(visible.shape, generator=gen), torch.tensor(-math.inf))
+    if pr["mask_shape"] in ("3d", "batch"):
+        mask = mask[:, 0]
+    elif pr["mask_shape"] == "transposed":  # window column as the slow dimension
+        mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
+    off = torch.tensor(offsets, dtype=torch.int32) if pr["use_offsets"] else None
+    return dict(query=q, key=k, value=v, mask=mask, mask_offset=off, scale=pr["scale"], softcap=pr["softcap"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_random_problems_match_reference(pr):
+    inputs = build(pr)
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from([1, 3, 5]))
+def test_result_does_not_depend_on_thread_count(pr, threads):
+    # Thread counts change the work split (key-range splits and their merge).
+    inputs = build(pr)
+    with num_threads(threads):
+        out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+
+
+# ---------------------------------------------------------------------------------------
+# Targeted behaviour.
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inspects the ELF extension")
+def test_kernel_is_compiled_with_openmp():
+    # at::parallel_for is a header template: compiled without -fopenmp it silently runs
+    # every work item on one thread, whatever torch.set_num_threads says.
+    with open(torch_tree_attn._C.__file__, "rb") as f:
+        binary = f.read()
+    # The OpenMP runtime's entry for a parallel region: libgomp (GCC) or libomp (Clang).
+    assert b"GOMP_parallel" in binary or b"__kmpc_fork_call" in binary, (
+        "torch_tree_attn._C was built without -fopenmp: the CPU kernel runs on one thread")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_prefix_with_key_splits(dtype, threads):
+    # One (batch, kv head) tile and thousands of keys: with more than one thread the key
+    # range is split and the partial softmax states are merged.
+    inputs = tree_inputs(B=1, Hq=8, Hkv=1, T=16, prefix=(2000,), D=128, dtype=dtype, S=2100)
+    with num_threads(threads):
+        out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_dense_causal_mask_over_long_cache(threads):
+    # Dense HF form (M = S, no offsets) with a causal mask: early rows see only the first
+    # key blocks, so whole blocks (and whole splits) are fully masked for some rows, and
+    # row 0 sees no key at all in any split.
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, T, S, D = 1, 4, 2, 6, 1500, 64
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    ends = torch.tensor([0, 300, 700, 1100, 1499, 1500])
+    mask = (torch.arange(S)[None, :] < ends[:, None])[None]
+    inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=None, scale=None, softcap=None)
+    with num_threads(threads):
+        out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_fully_masked_key_blocks_are_not_read(mask_kind):
+    # Window keys that no row of a kv head sees, spanning whole key blocks (blocks are at
+    # most 512 keys and start at multiples of their size), are skipped without a read:
+    # NaN there must not reach the result.
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, T, S, D = 1, 2, 1, 3, 4096, 128
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    visible = torch.ones(B, T, S, dtype=torch.bool)
+    visible[..., 600:3600] = False
+    k[:, :, 1024:3072] = NAN
+    v[:, :, 1024:3072] = NAN
+    mask = visible if mask_kind == "bool" else torch.zeros(visible.shape).masked_fill(~visible, -math.inf)
+    inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=None, scale=None, softcap=None)
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unused_slots_do_not_change_the_result(dtype):
+    inputs = tree_inputs(B=3, Hq=4, Hkv=2, T=7, prefix=(0, 33, 90), D=64, dtype=dtype, S=120)
+    out_nan, lse_nan = ops.forward_with_lse(**inputs)
+    for t in (inputs["key"], inputs["value"]):
+        t[torch.isnan(t)] = 1e4
+    out_big, lse_big = ops.forward_with_lse(**inputs)
+    assert not torch.isnan(out_nan).any()
+    assert torch.equal(out_nan, out_big) and torch.equal(lse_nan, lse_big)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_rows_that_see_no_key_give_zero_and_neg_inf(mask_kind):
+    gen = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, T, S, D = 2, 4, 2, 5, 20, 96
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    visible = torch.rand(B, Hq, T, S, generator=gen) < 0.5
+    visible[0, :, 1] = False  # one row of every head of batch row 0
+    visible[1] = False  # every row of batch row 1
+    mask = visible if mask_kind == "bool" else torch.zeros(visible.shape).masked_fill(~visible, -math.inf)
+    out, lse = ops.forward_with_lse(q, k, v, mask)
+    assert torch.equal(out[0, :, 1], torch.zeros(Hq, D)) and torch.isneginf(lse[0, :, 1]).all()
+    assert torch.equal(out[1], torch.zeros(Hq, T, D)) and torch.isneginf(lse[1]).all()
+    check_against_reference(out, lse, dict(query=q, key=k, value=v, mask=mask, mask_offset=None))
+
+
+def test_no_keys_at_all():
+    # M = 0 and offset 0: nothing is visible, and S = 0 is a legal (empty) cache.
+    for S in (0, 9):
+        q = torch.randn(2, 4, 3, 64)
+        k = torch.full((2, 2, S, 64), NAN)
+        mask = torch.ones(2, 3, 0, dtype=torch.bool)
+        out, lse = ops.forward_with_lse(q, k, k, mask, torch.zeros(2, dtype=torch.int32))
+        assert torch.equal(out, torch.zeros_like(q)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_only_window(dtype):
+    # M = 0: every row sees exactly the prefix [0, off_b).
+    inputs = tree_inputs(B=2, Hq=8, Hkv=2, T=4, prefix=(50, 300), D=128, dtype=dtype, S=310)
+    inputs["mask"] = torch.ones(2, 4, 0, dtype=torch.bool)
+    for b, off in enumerate((50, 300)):
+        inputs["key"][b, :, off:] = NAN
+        inputs["value"][b, :, off:] = NAN
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+    q, k, v = (inputs[n][0].double() for n in ("query", "key", "value"))
+    expected = torch.softmax(q @ k[:, :50].repeat_interleave(4, 0).mT / 128 ** 0.5, -1) @ v[:, :50].repeat_interleave(4, 0)
+    torch.testing.assert_close(out[0].double(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_query_decode(dtype):
+    # T = 1 with a one-key window: ordinary decoding over the prefix plus the new token.
+    inputs = tree_inputs(B=2, Hq=8, Hkv=1, T=1, prefix=(17, 64), D=256, dtype=dtype, S=80)
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 5, 64), (2, 4, 0, 64), (2, 0, 5, 64)])
+def test_empty_inputs(shape):
+    B, Hq, T, D = shape
+    q = torch.randn(shape)
+    k = torch.randn(B, max(Hq // 2, 1), 9, D)
+    mask = torch.ones(B, T, 9, dtype=torch.bool)
+    out, lse = ops.forward_with_lse(q, k, k, mask)
+    assert out.shape == shape and lse.shape == shape[:3] and lse.dtype == torch.float32
+    assert ops.forward(q, k, k, mask, torch.zeros(B, dtype=torch.int64), None, None).shape == shape
+
+
+def test_positional_call_and_python_api():
+    inputs = tree_inputs(B=2, Hq=4, Hkv=2, T=5, prefix=(10, 30), D=64)
+    q, k, v, mask, off = (inputs[n] for n in ("query", "key", "value", "mask", "mask_offset"))
+    positional = ops.forward(q, k, v, mask, off, None, None)
+    out, lse = torch_tree_attn.tree_attention(q, k, v, mask, mask_offset=off, return_lse=True)
+    assert torch.equal(positional, out)
+    assert torch.equal(torch_tree_attn.tree_attention(q, k, v, mask, off), out)
+    check_against_reference(out, lse, inputs)
+
+
+def test_scale_and_softcap_are_applied_in_contract_order():
+    inputs = tree_inputs(B=1, Hq=2, Hkv=1, T=6, prefix=(20,), D=64)
+    inputs["mask"] = torch.where(inputs["mask"], torch.randn(inputs["mask"].shape), -math.inf)
+    inputs.update(scale=0.3, softcap=2.0)  # a cap that bites: |scale * q.k| is often > 2
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+    ref_out, _ = tree_attention_reference(**dict(inputs, softcap=None))
+    assert (out.double() - ref_out).abs().max() > 1e-2, "softcap had no effect"
+
+
+def test_non_contiguous_query_and_output_layout():
+    inputs = tree_inputs(B=2, Hq=4, Hkv=2, T=5, prefix=(10, 30), D=64)
+    q = inputs["query"].transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, Hq, D] storage
+    assert not q.is_contiguous()
+    out, lse = ops.forward_with_lse(**dict(inputs, query=q))
+    assert out.is_contiguous() and lse.is_contiguous()
+    check_against_reference(out, lse, dict(inputs, query=q))
+    sliced = torch.randn(2, 4, 5, 200)[..., 10:74]  # row stride 200, storage offset
+    out2, lse2 = ops.forward_with_lse(**dict(inputs, query=sliced))
+    check_against_reference(out2, lse2, dict(inputs, query=sliced))
+
+
+def test_float16_and_int32_offsets_and_half_masks():
+    inputs = tree_inputs(B=2, Hq=8, Hkv=2, T=9, prefix=(5, 70), D=96, dtype=torch.float16)
+    inputs["mask_offset"] = inputs["mask_offset"].to(torch.int32)
+    inputs["mask"] = torch.where(inputs["mask"], 0.0, torch.finfo(torch.float16).min).to(torch.float16)
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+
+
+def test_deterministic():
+    inputs = tree_inputs(B=2, Hq=8, Hkv=2, T=16, prefix=(700, 100), D=128, dtype=torch.bfloat16)
+    first = ops.forward_with_lse(**inputs)
+    for _ in range(3):
+        again = ops.forward_with_lse(**inputs)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+# ---------------------------------------------------------------------------------------
+# Validation: every rule in csrc/validation.cpp, with the argument named in the message.
+
+def _ok():
+    return tree_inputs(B=2, Hq=4, Hkv=2, T=3, prefix=(5, 9), D=64, S=16)
+
+
+BAD_INPUTS = [
+    # (id, changes as a function of valid inputs, exception type, message pattern)
+    ("query rank", lambda i: dict(query=i["query"][0]), ValueError, r"query must be 4-D .*\[4, 3, 64\]"),
+    ("key rank", lambda i: dict(key=i["key"][0]), ValueError, r"key must be 4-D .*\[2, 16, 64\]"),
+    ("value rank", lambda i: dict(value=i["value"][None]), ValueError, r"value must be 4-D .*\[1, 2, 2, 16, 64\]"),
+    ("mask rank", lambda i: dict(mask=i["mask"][0]), ValueError, r"mask must be 3-D .* got shape \[3, 3\]"),
+    ("query dtype", lambda i: {n: i[n].double() for n in ("query", "key", "value")}, TypeError,
+     r"query dtype must be float32, float16 or bfloat16, got Double"),
+    ("key dtype", lambda i: dict(key=i["key"].half()), TypeError, r"query, key and value must share one dtype.*key Half"),
+    ("value dtype", lambda i: dict(value=i["value"].bfloat16()), TypeError, r"share one dtype.*value BFloat16"),
+    ("head dim", lambda i: {n: i[n][..., :48] for n in ("query", "key", "value")}, ValueError,
+     r"query head dim D must be one of 64, 96, 128, 256, got 48"),
+    ("key batch", lambda i: dict(key=i["key"][:1], value=i["value"][:1]), ValueError,
+     r"key must be \[B, Hkv, S, D\] = \[2, Hkv, S, 64\].*got \[1, 2, 16, 64\]"),
+    ("key head dim", lambda i: dict(key=torch.randn(2, 2, 16, 128), value=torch.randn(2, 2, 16, 128)), ValueError,
+     r"key must be \[B, Hkv, S, D\].*got \[2, 2, 16, 128\]"),
+    ("value shape", lambda i: dict(value=i["value"][:, :, :15]), ValueError,
+     r"value shape must equal key shape \[2, 2, 16, 64\], got \[2, 2, 15, 64\]"),
+    ("gqa ratio", lambda i: dict(key=torch.randn(2, 3, 16, 64), value=torch.randn(2, 3, 16, 64)), ValueError,
+     r"Hq must be a positive multiple of key/value heads Hkv, got Hq=4 Hkv=3"),
+    ("no kv heads", lambda i: dict(key=torch.randn(2, 0, 16, 64), value=torch.randn(2, 0, 16, 64)), ValueError,
+     r"Hq=4 Hkv=0"),
+    ("mask dtype", lambda i: dict(mask=i["mask"].to(torch.int32)), TypeError,
+     r"mask must be bool \(True = attend\) or floating \(additive bias\), got Int"),
+    ("mask batch", lambda i: dict(mask=torch.ones(3, 3, 3, dtype=torch.bool)), ValueError,
+     r"mask batch size must be B=2 or 1, got mask shape \[3, 3, 3\]"),
+    ("mask heads", lambda i: dict(mask=torch.ones(2, 2, 3, 3, dtype=torch.bool)), ValueError,
+     r"mask head size must be 1 or Hq=4, got mask shape \[2, 2, 3, 3\]"),
+    ("mask rows", lambda i: dict(mask=torch.ones(2, 4, 3, dtype=torch.bool)), ValueError,
+     r"mask query size must be T=3, got mask shape \[2, 4, 3\]"),
+    ("mask window", lambda i: dict(mask=torch.ones(2, 3, 17, dtype=torch.bool), mask_offset=None), ValueError,
+     r"mask window M=17 exceeds key capacity S=16"),
+    ("offset dtype", lambda i: dict(mask_offset=i["mask_offset"].float()), TypeError,
+     r"mask_offset must be int32 or int64, got Float"),
+    ("offset shape", lambda i: dict(mask_offset=torch.zeros(3, dtype=torch.int64)), ValueError,
+     r"mask_offset must have shape \[B\] = \[2\], got \[3\]"),
+    ("offset rank", lambda i: dict(mask_offset=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
+     r"mask_offset must have shape \[B\] = \[2\], got \[2, 1\]"),
+    ("negative offset", lambda i: dict(mask_offset=torch.tensor([3, -1])), ValueError,
+     r"mask_offset values must be >= 0, got min -1 in \[3, -1\]"),
+    ("offset past cache", lambda i: dict(mask_offset=torch.tensor([13, 14], dtype=torch.int32)), ValueError,
+     r"mask_offset \+ M must be <= S=16 for M=3, got max offset 14"),
+    ("scale inf", lambda i: dict(scale=math.inf), ValueError, r"scale must be a finite float32, got inf"),
+    ("scale nan", lambda i: dict(scale=NAN), ValueError, r"scale must be a finite float32, got nan"),
+    ("scale over float32", lambda i: dict(scale=1e39), ValueError, r"scale must be a finite float32, got 1e\+39"),
+    ("softcap zero", lambda i: dict(softcap=0.0), ValueError, r"softcap must be a positive finite float .*got 0"),
+    ("softcap negative", lambda i: dict(softcap=-2.0), ValueError, r"softcap must be a positive finite float .*got -2"),
+    ("softcap inf", lambda i: dict(softcap=math.inf), ValueError, r"softcap must be a positive finite float .*got inf"),
+]
+
+
+@pytest.mark.parametrize("op", ["forward", "forward_with_lse"])
+@pytest.mark.parametrize("make_bad, error, pattern", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_validation_names_the_argument(op, make_bad, error, pattern):
+    inputs = _ok()
+    inputs.update(make_bad(inputs))
+    with pytest.raises(error, match=pattern):
+        getattr(ops, op)(*args_of(inputs))
+
+
+def test_valid_edges_are_accepted():
+    # The boundaries of the rules above are legal: offset exactly S - M, offset 0,
+    # broadcast mask dims, an int64 offset at the edge, M = S with no offsets.
+    inputs = _ok()
+    for off in ([13, 0], [0, 13]):
+        inputs["mask_offset"] = torch.tensor(off)
+        inputs["key"][:] = torch.randn(inputs["key"].shape)
+        inputs["value"][:] = torch.randn(inputs["value"].shape)
+        check_against_reference(ops.forward(*args_of(inputs)), None, inputs)
+    dense = dict(inputs, mask=torch.ones(1, 1, 3, 16, dtype=torch.bool), mask_offset=None)
+    check_against_reference(ops.forward(*args_of(dense)), None, dense)
+
+
+def test_inner_stride_is_copied_not_misread():
+    # stride(-1) != 1 is accepted by copying: same answer as the contiguous tensors.
+    inputs = _ok()
+    inputs["key"][:] = torch.randn(inputs["key"].shape)
+    inputs["value"][:] = torch.randn(inputs["value"].shape)
+    expected = ops.forward(*args_of(inputs))
+    odd = {n: inputs[n].transpose(-1, -2).contiguous().transpose(-1, -2) for n in ("query", "key", "value")}
+    assert all(t.stride(-1) != 1 for t in odd.values())
+    assert torch.equal(ops.forward(*args_of(dict(inputs, **odd))), expected)
