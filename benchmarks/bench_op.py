@@ -32,6 +32,7 @@ try:
 except ImportError:  # run from a source checkout built in place (setup.py build_ext --inplace)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_tree_attn  # noqa: F401
+from torch_tree_attn.tree import ancestor_mask
 
 B, HQ, HKV, D, T = 1, 32, 8, 128, 64
 
@@ -39,13 +40,7 @@ B, HQ, HKV, D, T = 1, 32, 8, 128, 64
 def random_tree_mask(T, gen):
     """Ancestor-or-self mask of a random tree with nodes ordered parents first."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
-    mask = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+    return ancestor_mask(torch.tensor(parents))
 
 
 def synchronize(device):

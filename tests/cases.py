@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from torch_tree_attn.reference import tree_attention_reference
+from torch_tree_attn.tree import ancestor_mask
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 96, 128, 256)
@@ -73,13 +74,7 @@ class Case:
 def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:
     """Ancestor-or-self mask of a random tree whose nodes are ordered parents first."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
-    mask = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+    return ancestor_mask(torch.tensor(parents))
 
 
 def _offsets(case: Case, gen: torch.Generator) -> Optional[torch.Tensor]:
