@@ -1,15 +1,16 @@
 """Train the built-in target LM and its EAGLE-3 draft (the weights under torch_tree_attn/assets/).
 
-    python examples/train_builtin.py --device cuda        # about 8 minutes on one H200
+    python examples/train_builtin.py --device cuda        # about 7.5 minutes on one H200
     python examples/train_builtin.py --dump-corpus corpus.txt   # the training text, to train elsewhere
 
-The shipped weights were made with ``--device cuda --corpus corpus.txt`` where corpus.txt was
-dumped by Python 3.11.7 (whose standard library is the text): 9027 target steps (held-out
-loss 1.07 nats/byte) and 4560 draft steps (top-1 agreement with the target about 0.9 at
-every unrolled depth). CPU works too, but the wall-clock budgets then buy far fewer steps
-and the target stays weak.
+The shipped weights were made on one H200 with ``--device cuda --corpus corpus.txt`` where
+corpus.txt was dumped by Python 3.11.7 (whose standard library is the text): 3997 target
+steps (held-out loss 0.95 nats/byte) and 3773 draft steps (top-1 agreement with the target
+about 0.9 at every unrolled depth). CPU works too, but the wall-clock budgets then buy far
+fewer steps and the target stays weak. ``--layers/--hidden/--intermediate/--kv-heads`` train
+another size (builtin.TARGET_ARCH is the shipped one); the draft takes the target's widths.
 
-Stage "target": a 4-layer byte-level LlamaForCausalLM trained from scratch on the Python
+Stage "target": a 12-layer byte-level LlamaForCausalLM trained from scratch on the Python
 sources of the CPython standard library (packages included; test suites, idlelib, lib2to3,
 turtledemo and site-packages left out) found next to the running interpreter (PSF License
 Version 2, which allows derived works to be distributed; the notice is kept in
@@ -103,6 +104,23 @@ def load_target(out_dir, device):
     return model.to(device).eval()
 
 
+def target_arch(args) -> dict:
+    """builtin.TARGET_ARCH with the sizes given on the command line; head_dim stays 64, one
+    of the op's supported head sizes."""
+    arch = dict(builtin.TARGET_ARCH)
+    for key, value in (("num_hidden_layers", args.layers), ("hidden_size", args.hidden),
+                       ("intermediate_size", args.intermediate), ("num_key_value_heads", args.kv_heads)):
+        if value is not None:
+            arch[key] = value
+    if arch["hidden_size"] % arch["head_dim"]:
+        raise SystemExit(f"--hidden must be a multiple of head_dim {arch['head_dim']}, got {arch['hidden_size']}")
+    arch["num_attention_heads"] = arch["hidden_size"] // arch["head_dim"]
+    if arch["num_attention_heads"] % arch["num_key_value_heads"]:
+        raise SystemExit(f"--kv-heads ({arch['num_key_value_heads']}) must divide the "
+                         f"{arch['num_attention_heads']} attention heads")
+    return arch
+
+
 def train_target(args, device):
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
@@ -113,7 +131,8 @@ def train_target(args, device):
     train, held_out = corpus[:split], corpus[split:]
     log(f"corpus: {corpus.numel()} bytes ({split} train)")
 
-    config = builtin.target_config()
+    arch = target_arch(args)
+    config = builtin.target_config(**arch)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(device)
     log(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {device}")
@@ -148,7 +167,7 @@ def train_target(args, device):
     state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(state, os.path.join(args.out_dir, os.path.basename(builtin.TARGET_WEIGHTS)), metadata={"format": "pt"})
     with open(os.path.join(args.out_dir, os.path.basename(builtin.TARGET_CONFIG)), "w") as f:
-        json.dump(builtin.TARGET_ARCH, f, indent=2)
+        json.dump(arch, f, indent=2)
     log(f"saved the target under {args.out_dir}")
 
 
@@ -303,8 +322,12 @@ def main():
     parser.add_argument("--corpus", default=None, help="a corpus file from --dump-corpus (default: this stdlib)")
     parser.add_argument("--dump-corpus", default=None, help="write the corpus to this file and exit")
     parser.add_argument("--out-dir", default=builtin.ASSETS)
-    parser.add_argument("--target-minutes", type=float, default=3.5)
-    parser.add_argument("--draft-minutes", type=float, default=3.0)
+    parser.add_argument("--layers", type=int, default=None, help="target layers (default: builtin.TARGET_ARCH)")
+    parser.add_argument("--hidden", type=int, default=None, help="target hidden size, a multiple of 64")
+    parser.add_argument("--intermediate", type=int, default=None, help="target MLP width")
+    parser.add_argument("--kv-heads", type=int, default=None, help="target key/value heads")
+    parser.add_argument("--target-minutes", type=float, default=4.0)
+    parser.add_argument("--draft-minutes", type=float, default=2.5)
     parser.add_argument("--target-lr", type=float, default=3e-3)
     parser.add_argument("--draft-lr", type=float, default=2e-3)
     parser.add_argument("--batch", type=int, default=64)

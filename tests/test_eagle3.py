@@ -323,6 +323,25 @@ def sequential_path_logprobs(draft, commit_ids, commit_features, path_tokens):
     return result
 
 
+def test_decoder_broadcasts_one_position_over_a_frontier():
+    # The drafter passes one [1, 1] position for a whole frontier; it must equal giving every
+    # node that position, and differ from giving them other positions (rotary is in play).
+    d = tiny_draft().double()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (1, 5), generator=g)
+    hidden = torch.randn(1, 5, d.config.hidden_size, generator=g, dtype=torch.float64)
+
+    def attend(q, k, v):  # each query sees every key: positions matter only through rotary
+        kk, vv = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+        return (q @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5).softmax(-1) @ vv
+
+    per_node = d.decoder(ids, hidden, torch.full((1, 5), 41), attend)
+    shared = d.decoder(ids, hidden, torch.full((1, 1), 41), attend)
+    torch.testing.assert_close(shared, per_node, rtol=0, atol=1e-12)
+    staggered = d.decoder(ids, hidden, torch.arange(41, 46)[None], attend)
+    assert not torch.allclose(staggered, per_node, atol=1e-6)
+
+
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_tree_expansion_matches_sequential_paths(rounds):
     draft = tiny_draft()

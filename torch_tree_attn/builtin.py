@@ -1,10 +1,12 @@
 """The built-in target LM and its EAGLE-3 draft: small models this project trained itself
 (``examples/train_builtin.py``) so the EAGLE-3 demo runs with no network and no downloads.
 
-The target is a 4-layer transformers ``LlamaForCausalLM`` over bytes (3.3M parameters), trained
+The target is a 12-layer transformers ``LlamaForCausalLM`` over bytes (9.6M parameters), trained
 on the Python sources of the CPython 3.11 standard library (PSF License Version 2, which permits
 derived works; see ``assets/NOTICE.txt``), so it writes Python-like code. The draft is an
-EAGLE-3 head trained on that target's own hidden states and outputs. Both are shipped as
+EAGLE-3 head (one layer, 1.1M parameters besides the shared embeddings) trained on that
+target's own hidden states and outputs. The target is twelve layers deep so that one of its
+decoding steps costs several draft steps, the regime speculative decoding is for. Both are shipped as
 float16 safetensors under ``assets/`` and loaded in the dtype asked for.
 """
 import json
@@ -27,7 +29,7 @@ TARGET_ARCH = dict(
     vocab_size=264,
     hidden_size=256,
     intermediate_size=768,
-    num_hidden_layers=4,
+    num_hidden_layers=12,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=64,
@@ -65,10 +67,11 @@ class ByteTokenizer:
         return {"input_ids": ids}
 
 
-def target_config():
+def target_config(**overrides):
+    """A LlamaConfig of TARGET_ARCH, with any keys given replaced."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(**TARGET_ARCH)
+    return LlamaConfig(**{**TARGET_ARCH, **overrides})
 
 
 def builtin_assets_present() -> bool:

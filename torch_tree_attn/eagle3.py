@@ -322,7 +322,10 @@ class Eagle3Draft(nn.Module):
 
     def decoder(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention: AttentionFn) -> torch.Tensor:
-        """The draft layer on [B, n] tokens and [B, n, H] hidden states -> [B, n, H] (pre-norm)."""
+        """The draft layer on [B, n] tokens and [B, n, H] hidden states -> [B, n, H] (pre-norm).
+
+        ``position_ids`` is [B, n], or [B, 1] when all n tokens sit at one position (a tree
+        frontier): the rotary angles are then computed once and broadcast."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         b, n, _ = hidden.shape
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
@@ -340,14 +343,16 @@ class Eagle3Draft(nn.Module):
         """[..., H] draft outputs -> [..., draft_vocab] logits."""
         return self.lm_head(self.norm(hidden))
 
-    def target_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., vocab] log-probs over TARGET ids (-inf outside the draft vocabulary)."""
+    def target_logprobs(self, hidden: torch.Tensor, target_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[..., H] -> [..., vocab] log-probs over TARGET ids (-inf outside the draft vocabulary).
+
+        ``target_ids``: :meth:`target_ids`, when the caller already holds it."""
         logits = self.draft_logits(hidden)
         logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         if not self.maps_vocab:
             return logp
         full = logp.new_full((*logp.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.target_ids(), logp)
+        return full.index_copy_(-1, self.target_ids() if target_ids is None else target_ids, logp)
 
     def new_cache(self, capacity: int = 256) -> DraftKVCache:
         return DraftKVCache(self.config.num_key_value_heads, self.config.head_dim, self.fc.weight.dtype,
@@ -420,6 +425,7 @@ class Eagle3Drafter:
         self._pending_ids: Optional[torch.Tensor] = None
         self._pending_features: Optional[torch.Tensor] = None
         self._node_hidden: Optional[torch.Tensor] = None  # draft outputs of all expanded nodes
+        self._target_ids: Optional[torch.Tensor] = None
 
     def reset(self) -> None:
         self.cache.crop(0)
@@ -454,18 +460,20 @@ class Eagle3Drafter:
             self.committed += n
             self._pending_ids = self._pending_features = None
             self._node_hidden = out[0, -1:]  # the root: the last committed position
-            return draft.target_logprobs(self._node_hidden)
+            self._target_ids = draft.target_ids()  # once per tree, not once per frontier
+            return draft.target_logprobs(self._node_hidden, self._target_ids)
         # A frontier of tree nodes: hidden state = the draft's output at the parent.
         parents = torch.as_tensor(step.parents_in_tree, device=device)
         hidden = self._node_hidden[parents][None]
         ids = torch.as_tensor(step.tokens, device=device)[None]
-        depth = torch.as_tensor(step.position_offsets, device=device)
-        positions = (self.committed - 1 + depth).reshape(1, -1)
+        # Every node of a frontier sits at the same depth, so one rotary position serves all
+        # (the decoder broadcasts a [1, 1] position over the frontier).
+        positions = torch.full((1, 1), self.committed - 1 + step.depth, dtype=torch.int64, device=device)
         # The root's K/V is the last committed entry (always visible as prefix): drop its column.
         mask = torch.as_tensor(step.ancestor_mask, device=device)[:, 1:]
         out = draft.forward_cached(ids, hidden, positions, self.cache, mask, self.committed)
         self._node_hidden = torch.cat([self._node_hidden, out[0]])
-        return draft.target_logprobs(out[0])
+        return draft.target_logprobs(out[0], self._target_ids)
 
     def end_tree(self) -> None:
         self.cache.crop(self.committed)
