@@ -852,6 +852,35 @@ using tree_attn::sim::detail::BufferState;
 
 template <class T> class device_ptr;
 
+// What MSL lets a kernel do with an element lvalue, expressed through the proxy's own
+// load() and store(): one definition for device and threadgroup memory, so the two
+// address spaces cannot drift apart in what they accept.
+#define TREE_ATTN_SIM_LVALUE_OPERATORS(Self)                                                                      \
+  operator T() const { return load(); }                                                             \
+  template <class U = T>                                                                            \
+    requires is_lowp_v<U>                                                                           \
+  operator float() const {                                                                          \
+    return float(load());                                                                           \
+  }                                                                                                 \
+  const Self& operator=(const Self& other) const {                                                  \
+    store(other.load());                                                                            \
+    return *this;                                                                                   \
+  }                                                                                                 \
+  template <class U>                                                                                \
+    requires std::is_convertible_v<const U&, T>                                                     \
+  const Self& operator=(const U& v) const {                                                         \
+    store(T(v));                                                                                    \
+    return *this;                                                                                   \
+  }                                                                                                 \
+  template <class U> const Self& operator+=(const U& v) const { return *this = T(load() + v); }     \
+  template <class U> const Self& operator-=(const U& v) const { return *this = T(load() - v); }     \
+  template <class U> const Self& operator*=(const U& v) const { return *this = T(load() * v); }     \
+  template <class U> const Self& operator/=(const U& v) const { return *this = T(load() / v); }     \
+  template <class U> const Self& operator|=(const U& v) const { return *this = T(load() | v); }     \
+  template <class U> const Self& operator&=(const U& v) const { return *this = T(load() & v); }     \
+  const Self& operator++() const { return *this += 1; }                                             \
+  const Self& operator--() const { return *this -= 1; }
+
 // The lvalue `p[i]` of a writable device pointer. It lives in a per-thread ring and is handed
 // out by reference, so `auto x = p[i];` (a copy) does not compile: a copy would otherwise be a
 // live alias of device memory instead of the value MSL gives.
@@ -877,31 +906,7 @@ template <class T> class device_lvalue {
     std::memcpy(reinterpret_cast<void*>(addr_), &v, sizeof(T));
   }
 
-  operator T() const { return load(); }
-  template <class U = T>
-    requires is_lowp_v<U>
-  operator float() const {
-    return float(load());
-  }
-
-  const device_lvalue& operator=(const device_lvalue& other) const {
-    store(other.load());
-    return *this;
-  }
-  template <class U>
-    requires std::is_convertible_v<const U&, T>
-  const device_lvalue& operator=(const U& v) const {
-    store(T(v));
-    return *this;
-  }
-  template <class U> const device_lvalue& operator+=(const U& v) const { return *this = T(load() + v); }
-  template <class U> const device_lvalue& operator-=(const U& v) const { return *this = T(load() - v); }
-  template <class U> const device_lvalue& operator*=(const U& v) const { return *this = T(load() * v); }
-  template <class U> const device_lvalue& operator/=(const U& v) const { return *this = T(load() / v); }
-  template <class U> const device_lvalue& operator|=(const U& v) const { return *this = T(load() | v); }
-  template <class U> const device_lvalue& operator&=(const U& v) const { return *this = T(load() & v); }
-  const device_lvalue& operator++() const { return *this += 1; }
-  const device_lvalue& operator--() const { return *this -= 1; }
+  TREE_ATTN_SIM_LVALUE_OPERATORS(device_lvalue)
   device_ptr<T> operator&() const { return device_ptr<T>(buf_, addr_); }
 
  private:
@@ -1058,36 +1063,14 @@ template <class T> class threadgroup_lvalue {
     std::memcpy(reinterpret_cast<void*>(addr_), &v, sizeof(T));
   }
 
-  operator T() const { return load(); }
-  template <class U = T>
-    requires is_lowp_v<U>
-  operator float() const {
-    return float(load());
-  }
-  const threadgroup_lvalue& operator=(const threadgroup_lvalue& other) const {
-    store(other.load());
-    return *this;
-  }
-  template <class U>
-    requires std::is_convertible_v<const U&, T>
-  const threadgroup_lvalue& operator=(const U& v) const {
-    store(T(v));
-    return *this;
-  }
-  template <class U> const threadgroup_lvalue& operator+=(const U& v) const { return *this = T(load() + v); }
-  template <class U> const threadgroup_lvalue& operator-=(const U& v) const { return *this = T(load() - v); }
-  template <class U> const threadgroup_lvalue& operator*=(const U& v) const { return *this = T(load() * v); }
-  template <class U> const threadgroup_lvalue& operator/=(const U& v) const { return *this = T(load() / v); }
-  template <class U> const threadgroup_lvalue& operator|=(const U& v) const { return *this = T(load() | v); }
-  template <class U> const threadgroup_lvalue& operator&=(const U& v) const { return *this = T(load() & v); }
-  const threadgroup_lvalue& operator++() const { return *this += 1; }
-  const threadgroup_lvalue& operator--() const { return *this -= 1; }
+  TREE_ATTN_SIM_LVALUE_OPERATORS(threadgroup_lvalue)
   threadgroup_ptr<T> operator&() const;
 
  private:
   const tree_attn::sim::detail::ThreadCtx* thread_;
   uintptr_t addr_;
 };
+#undef TREE_ATTN_SIM_LVALUE_OPERATORS
 
 namespace detail {
 // What `tile[i]` yields for an element already bounds-checked at address a: scalars (of 2 bytes
