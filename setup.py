@@ -1,10 +1,13 @@
-"""Build torch_tree_attn._C: the op schema, shared validation, the CPU kernel, the MPS
-backend (macOS only) and, elsewhere, the Metal Shading Language simulator that runs the
-real shaders on the CPU.
+"""Build torch_tree_attn._C, the product: the op schema, the shared validation, the CPU
+kernel and, on macOS, the MPS backend with the Metal launch plan. C++17, against the
+torch already installed (pip install --no-build-isolation).
 
-Two things are generated at build time from shaders/*.metal:
-- an embedded copy of the shader source, compiled by Metal at first use (macOS);
-- a C++ translation of the shaders for the simulator (non-Apple platforms).
+The shader source is embedded at build time (build/generated/shader_source.h, compiled by
+Metal at first use on macOS). The Metal simulator is test apparatus with a build of its
+own (tests/sim/setup.py); nothing of it is built or installed here.
+
+TORCH_TREE_ATTN_SANITIZE=address,undefined builds with those sanitizers (CI's sanitizer
+pass; the library must then be preloaded, see .ci/run).
 """
 import glob
 import os
@@ -78,36 +81,27 @@ def embed_shader_source():
     )
 
 
-def translate_shaders_for_simulator():
-    """shaders/*.metal (+ the simulator's own self-test kernels) -> C++ for csrc/sim."""
-    translator = os.path.join(ROOT, "csrc", "sim", "msl2cpp.py")
-    if not os.path.exists(translator):
-        return []
-    sys.path.insert(0, os.path.dirname(translator))
-    import msl2cpp  # noqa: E402
-
-    inputs = shader_files() + sorted(glob.glob(os.path.join(ROOT, "csrc", "sim", "selftest", "*.metal")))
-    outputs = []
-    for path in inputs:
-        out = os.path.join(GENERATED, "sim", os.path.basename(path) + ".cpp")
-        write_if_changed(out, msl2cpp.translate_file(path))
-        outputs.append(out)
-    return outputs
-
-
 def sources():
     srcs = glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
     if IS_MACOS:
+        srcs += glob.glob(os.path.join(ROOT, "csrc", "metal", "*.cpp"))
         srcs += glob.glob(os.path.join(ROOT, "csrc", "mps", "*.mm"))
-    else:
-        srcs += glob.glob(os.path.join(ROOT, "csrc", "sim", "*.cpp"))
-        srcs += translate_shaders_for_simulator()
     return sorted(rel(s) for s in srcs)
+
+
+def sanitizer_flags():
+    """-fsanitize flags from TORCH_TREE_ATTN_SANITIZE (e.g. "address,undefined"), or none."""
+    wanted = os.environ.get("TORCH_TREE_ATTN_SANITIZE", "").strip()
+    if not wanted:
+        return [], []
+    # vptr checks need the type info of every library in the process (torch's too).
+    flags = [f"-fsanitize={wanted}", "-fno-sanitize=vptr", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+    return flags, [f"-fsanitize={wanted}"]
 
 
 embed_shader_source()
 
-cxx_flags = ["-O3", "-fvisibility=hidden"]
+cxx_flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
 if platform.machine() in ("x86_64", "AMD64"):
     # Built from source on the machine that runs it (pip install), so target that CPU.
     cxx_flags.append("-march=native")
@@ -120,6 +114,9 @@ else:
     # compile it silently runs on one thread. (Apple clang has no -fopenmp.)
     cxx_flags.append("-fopenmp")
     extra_link.append("-fopenmp")
+sanitize_compile, sanitize_link = sanitizer_flags()
+cxx_flags += sanitize_compile
+extra_link += sanitize_link
 
 setup(
     name="torch_tree_attn",
@@ -139,7 +136,8 @@ setup(
     ],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.10",
-    install_requires=["torch>=2.9", "numpy"],
+    # The range CI and the GPU machine test: torch 2.13 (CPU, CI) and 2.11 (CUDA, H200).
+    install_requires=["torch>=2.11,<2.14", "numpy"],
     extras_require={
         "test": ["pytest", "hypothesis"],
         "hf": ["transformers>=5.0,<5.25", "safetensors", "tqdm"],

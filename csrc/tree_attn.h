@@ -1,9 +1,11 @@
 // The one description of a validated tree-attention call, shared by every backend.
 //
-// `prepare()` is the only place the op contract is checked. Backends receive a
-// `Prepared` whose tensors already satisfy: stride(-1) == 1 for q/k/v, a mask that is
-// either bool or float32, offsets that are int32 (or absent), and a `Problem` with all
-// sizes and element strides the kernels need.
+// `check_contract()` is the only place the op contract's rules live: `prepare()` runs it
+// for every backend, and the fake implementation (torch_tree_attn/_fake.py) runs it on
+// the metadata of fake tensors. Backends receive a `Prepared` whose tensors already
+// satisfy: stride(-1) == 1 for q/k/v, a mask that is either bool or float32, offsets
+// that are int32 (or absent), and a `Problem` with all sizes and element strides the
+// kernels need.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -47,6 +49,25 @@ struct Prepared {
   at::Tensor offsets;            // int32 [B] contiguous, undefined when has_offsets is false
   Problem p;
 };
+
+// A tensor argument as the contract sees it: metadata only (the sizes and strides are
+// borrowed, not owned).
+struct ArgInfo {
+  c10::IntArrayRef sizes, strides;
+  at::ScalarType dtype = at::kFloat;
+  c10::Device device = c10::Device(c10::kCPU);
+
+  int64_t dim() const { return int64_t(sizes.size()); }
+  static ArgInfo of(const at::Tensor& t);
+};
+
+// Every rule of the op contract that metadata can decide: ranks, devices, dtypes,
+// shapes, GQA divisibility, supported D, overflow-checked index ranges, scale and
+// softcap. Returns the problem's sizes (strides are left to prepare()); throws
+// c10::ValueError / c10::TypeError naming the argument and the values seen.
+// `mask_offset` is null when the call has none.
+Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& value, const ArgInfo& mask,
+                       const ArgInfo* mask_offset, c10::optional<double> scale, c10::optional<double> softcap);
 
 // Where the offsets live decides what can be checked: reading them on MPS/CUDA would
 // force a device sync, so there kernels clamp instead (see README, "Offsets").

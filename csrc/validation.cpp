@@ -4,16 +4,18 @@
 
 #include <c10/util/safe_numerics.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <vector>
 
 namespace tree_attn {
 namespace {
 
-std::string shape_of(const at::Tensor& t) {
+std::string shape_of(c10::IntArrayRef sizes) {
   std::ostringstream s;
-  s << t.sizes();
+  s << sizes;
   return s.str();
 }
 
@@ -25,19 +27,19 @@ bool attention_dtype(at::ScalarType t) {
 
 // The largest element index a strided view can touch, overflow-checked, so kernels may
 // index with plain int64 arithmetic.
-void check_index_range(const at::Tensor& t, const char* name) {
+void check_index_range(const ArgInfo& t, const char* name) {
   int64_t extent = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) == 0) return;
+  for (size_t d = 0; d < t.sizes.size(); ++d) {
+    if (t.sizes[d] == 0) return;
     int64_t span = 0;
-    bool overflow = c10::mul_overflows(t.size(d) - 1, std::abs(t.stride(d)), &span);
+    bool overflow = c10::mul_overflows(t.sizes[d] - 1, std::abs(t.strides[d]), &span);
     overflow = overflow || c10::add_overflows(extent, span, &extent);
-    TORCH_CHECK_VALUE(!overflow, name, ": strides ", t.strides(), " with shape ", t.sizes(),
+    TORCH_CHECK_VALUE(!overflow, name, ": strides ", t.strides, " with shape ", t.sizes,
                       " overflow 64-bit element indexing");
   }
   int64_t bytes = 0;
-  TORCH_CHECK_VALUE(!c10::mul_overflows(extent + 1, int64_t(t.element_size()), &bytes), name,
-                    ": shape ", t.sizes(), " is too large to address");
+  TORCH_CHECK_VALUE(!c10::mul_overflows(extent + 1, int64_t(c10::elementSize(t.dtype)), &bytes), name,
+                    ": shape ", t.sizes, " is too large to address");
 }
 
 at::Tensor unit_inner_stride(const at::Tensor& t) {
@@ -46,71 +48,114 @@ at::Tensor unit_inner_stride(const at::Tensor& t) {
 
 }  // namespace
 
-Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                 const at::Tensor& mask, const c10::optional<at::Tensor>& mask_offset,
-                 c10::optional<double> scale, c10::optional<double> softcap,
-                 OffsetCheck offset_check) {
+ArgInfo ArgInfo::of(const at::Tensor& t) { return ArgInfo{t.sizes(), t.strides(), t.scalar_type(), t.device()}; }
+
+Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& value, const ArgInfo& mask,
+                       const ArgInfo* mask_offset, c10::optional<double> scale, c10::optional<double> softcap) {
   // Ranks first: everything after indexes sizes.
-  TORCH_CHECK_VALUE(query.dim() == 4, "query must be 4-D [B, Hq, T, D], got shape ", shape_of(query));
-  TORCH_CHECK_VALUE(key.dim() == 4, "key must be 4-D [B, Hkv, S, D], got shape ", shape_of(key));
-  TORCH_CHECK_VALUE(value.dim() == 4, "value must be 4-D [B, Hkv, S, D], got shape ", shape_of(value));
+  TORCH_CHECK_VALUE(query.dim() == 4, "query must be 4-D [B, Hq, T, D], got shape ", shape_of(query.sizes));
+  TORCH_CHECK_VALUE(key.dim() == 4, "key must be 4-D [B, Hkv, S, D], got shape ", shape_of(key.sizes));
+  TORCH_CHECK_VALUE(value.dim() == 4, "value must be 4-D [B, Hkv, S, D], got shape ", shape_of(value.sizes));
   TORCH_CHECK_VALUE(mask.dim() == 3 || mask.dim() == 4,
                     "mask must be 3-D [B or 1, T, M] or 4-D [B or 1, 1 or Hq, T, M], got shape ",
-                    shape_of(mask));
+                    shape_of(mask.sizes));
 
-  const auto device = query.device();
-  TORCH_CHECK_VALUE(key.device() == device && value.device() == device && mask.device() == device,
+  const auto device = query.device;
+  TORCH_CHECK_VALUE(key.device == device && value.device == device && mask.device == device,
                     "query, key, value and mask must be on one device, got query on ", device,
-                    ", key on ", key.device(), ", value on ", value.device(), ", mask on ",
-                    mask.device());
+                    ", key on ", key.device, ", value on ", value.device, ", mask on ", mask.device);
 
-  TORCH_CHECK_TYPE(attention_dtype(query.scalar_type()),
-                   "query dtype must be float32, float16 or bfloat16, got ", query.scalar_type());
-  TORCH_CHECK_TYPE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
-                   "query, key and value must share one dtype, got query ", query.scalar_type(),
-                   ", key ", key.scalar_type(), ", value ", value.scalar_type());
+  TORCH_CHECK_TYPE(attention_dtype(query.dtype),
+                   "query dtype must be float32, float16 or bfloat16, got ", query.dtype);
+  TORCH_CHECK_TYPE(key.dtype == query.dtype && value.dtype == query.dtype,
+                   "query, key and value must share one dtype, got query ", query.dtype,
+                   ", key ", key.dtype, ", value ", value.dtype);
 
   Problem p;
-  p.B = query.size(0);
-  p.Hq = query.size(1);
-  p.T = query.size(2);
-  p.D = query.size(3);
-  p.Hkv = key.size(1);
-  p.S = key.size(2);
-  p.dtype = query.scalar_type();
+  p.B = query.sizes[0];
+  p.Hq = query.sizes[1];
+  p.T = query.sizes[2];
+  p.D = query.sizes[3];
+  p.Hkv = key.sizes[1];
+  p.S = key.sizes[2];
+  p.dtype = query.dtype;
 
   TORCH_CHECK_VALUE(supported_head_dim(p.D), "query head dim D must be one of 64, 96, 128, 256, got ",
-                    p.D, " (query shape ", shape_of(query), ")");
-  TORCH_CHECK_VALUE(key.size(0) == p.B && key.size(3) == p.D,
+                    p.D, " (query shape ", shape_of(query.sizes), ")");
+  TORCH_CHECK_VALUE(key.sizes[0] == p.B && key.sizes[3] == p.D,
                     "key must be [B, Hkv, S, D] = [", p.B, ", Hkv, S, ", p.D, "] to match query ",
-                    shape_of(query), ", got ", shape_of(key));
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value shape must equal key shape ", shape_of(key),
-                    ", got ", shape_of(value));
+                    shape_of(query.sizes), ", got ", shape_of(key.sizes));
+  TORCH_CHECK_VALUE(value.sizes == key.sizes, "value shape must equal key shape ", shape_of(key.sizes),
+                    ", got ", shape_of(value.sizes));
   TORCH_CHECK_VALUE(p.Hkv > 0 && p.Hq % p.Hkv == 0,
                     "query heads Hq must be a positive multiple of key/value heads Hkv, got Hq=", p.Hq,
                     " Hkv=", p.Hkv);
   p.G = p.Hq / p.Hkv;
 
   // Mask: [B|1, T, M] or [B|1, 1|Hq, T, M], bool or floating.
-  const auto mdt = mask.scalar_type();
-  TORCH_CHECK_TYPE(mdt == at::kBool || at::isFloatingType(mdt),
-                   "mask must be bool (True = attend) or floating (additive bias), got ", mdt);
+  TORCH_CHECK_TYPE(mask.dtype == at::kBool || at::isFloatingType(mask.dtype),
+                   "mask must be bool (True = attend) or floating (additive bias), got ", mask.dtype);
   const bool mask4 = mask.dim() == 4;
-  const int64_t mB = mask.size(0), mH = mask4 ? mask.size(1) : 1;
-  const int64_t mT = mask.size(mask.dim() - 2);
-  p.M = mask.size(mask.dim() - 1);
+  const int64_t mB = mask.sizes[0], mH = mask4 ? mask.sizes[1] : 1;
+  const int64_t mT = mask.sizes[mask.dim() - 2];
+  p.M = mask.sizes[mask.dim() - 1];
   TORCH_CHECK_VALUE(mB == p.B || mB == 1, "mask batch size must be B=", p.B, " or 1, got mask shape ",
-                    shape_of(mask));
+                    shape_of(mask.sizes));
   TORCH_CHECK_VALUE(mH == 1 || mH == p.Hq, "mask head size must be 1 or Hq=", p.Hq,
-                    ", got mask shape ", shape_of(mask));
-  TORCH_CHECK_VALUE(mT == p.T, "mask query size must be T=", p.T, ", got mask shape ", shape_of(mask));
+                    ", got mask shape ", shape_of(mask.sizes));
+  TORCH_CHECK_VALUE(mT == p.T, "mask query size must be T=", p.T, ", got mask shape ", shape_of(mask.sizes));
   TORCH_CHECK_VALUE(p.M <= p.S, "mask window M=", p.M, " exceeds key capacity S=", p.S,
-                    " (mask shape ", shape_of(mask), ", key shape ", shape_of(key), ")");
+                    " (mask shape ", shape_of(mask.sizes), ", key shape ", shape_of(key.sizes), ")");
+  p.mask_kind = mask.dtype == at::kBool ? MaskKind::Bool : MaskKind::Additive;
+
+  check_index_range(query, "query");
+  check_index_range(key, "key");
+  check_index_range(value, "value");
+  check_index_range(mask, "mask");
+  uint64_t out_elems = 0;
+  TORCH_CHECK_VALUE(!c10::safe_multiplies_u64(query.sizes, &out_elems) &&
+                        out_elems <= uint64_t(std::numeric_limits<int64_t>::max() / 4),
+                    "output of shape ", shape_of(query.sizes), " is too large");
+
+  if (mask_offset != nullptr) {
+    const ArgInfo& off = *mask_offset;
+    TORCH_CHECK_TYPE(off.dtype == at::kInt || off.dtype == at::kLong,
+                     "mask_offset must be int32 or int64, got ", off.dtype);
+    TORCH_CHECK_VALUE(off.dim() == 1 && off.sizes[0] == p.B, "mask_offset must have shape [B] = [", p.B,
+                      "], got ", shape_of(off.sizes));
+    TORCH_CHECK_VALUE(off.device == device, "mask_offset must be on the query's device ", device,
+                      ", got ", off.device);
+    p.has_offsets = true;
+  }
+
+  // scale and softcap are float32 in every kernel: check the values the kernels will use.
+  const double default_scale = 1.0 / std::sqrt(double(p.D));
+  const double s = scale.has_value() ? *scale : default_scale;
+  TORCH_CHECK_VALUE(std::isfinite(s) && std::isfinite(float(s)), "scale must be a finite float32, got ", s);
+  TORCH_CHECK_VALUE(s == 0 || float(s) != 0.0f, "scale ", s, " rounds to 0 in float32");
+  p.scale = float(s);
+  if (softcap.has_value()) {
+    const double c = *softcap;
+    TORCH_CHECK_VALUE(std::isfinite(c) && c > 0 && std::isfinite(float(c)) && float(c) > 0.0f,
+                      "softcap must be a positive finite float32 (None turns it off), got ", c);
+    p.softcap = float(c);
+  }
+  return p;
+}
+
+Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& mask, const c10::optional<at::Tensor>& mask_offset,
+                 c10::optional<double> scale, c10::optional<double> softcap,
+                 OffsetCheck offset_check) {
+  const ArgInfo off_info = mask_offset.has_value() ? ArgInfo::of(*mask_offset) : ArgInfo{};
+  Problem p = check_contract(ArgInfo::of(query), ArgInfo::of(key), ArgInfo::of(value), ArgInfo::of(mask),
+                             mask_offset.has_value() ? &off_info : nullptr, scale, softcap);
 
   Prepared out;
   out.query = unit_inner_stride(query);
   out.key = unit_inner_stride(key);
   out.value = unit_inner_stride(value);
+  const auto mdt = mask.scalar_type();
   out.mask = (mdt == at::kBool || mdt == at::kFloat) ? mask : mask.to(at::kFloat);
   for (int i = 0; i < 4; ++i) {
     p.q_stride[i] = out.query.size(i) == 1 ? 0 : out.query.stride(i);
@@ -119,33 +164,18 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tenso
   }
   p.q_stride[3] = p.k_stride[3] = p.v_stride[3] = 1;
   const auto& m = out.mask;
-  const int dims[4] = {0, mask4 ? 1 : -1, m.dim() - 2, m.dim() - 1};
+  const bool mask4 = m.dim() == 4;
+  const int dims[4] = {0, mask4 ? 1 : -1, int(m.dim()) - 2, int(m.dim()) - 1};
   for (int i = 0; i < 4; ++i)
     p.mask_stride[i] = (dims[i] < 0 || m.size(dims[i]) == 1) ? 0 : m.stride(dims[i]);
-  p.mask_kind = mdt == at::kBool ? MaskKind::Bool : MaskKind::Additive;
-
-  check_index_range(out.query, "query");
-  check_index_range(out.key, "key");
-  check_index_range(out.value, "value");
-  check_index_range(m, "mask");
-  uint64_t out_elems = 0;
-  TORCH_CHECK_VALUE(!c10::safe_multiplies_u64(query.sizes(), &out_elems) &&
-                        out_elems <= uint64_t(std::numeric_limits<int64_t>::max() / 4),
-                    "output of shape ", shape_of(query), " is too large");
 
   if (mask_offset.has_value()) {
     const auto& off = *mask_offset;
-    TORCH_CHECK_TYPE(off.scalar_type() == at::kInt || off.scalar_type() == at::kLong,
-                     "mask_offset must be int32 or int64, got ", off.scalar_type());
-    TORCH_CHECK_VALUE(off.dim() == 1 && off.size(0) == p.B, "mask_offset must have shape [B] = [", p.B,
-                      "], got ", shape_of(off));
-    TORCH_CHECK_VALUE(off.device() == device, "mask_offset must be on the query's device ", device,
-                      ", got ", off.device());
     if (offset_check == OffsetCheck::OnHost && p.B > 0) {
       const auto off64 = off.to(at::kLong).contiguous();
       const std::vector<int64_t> seen(off64.data_ptr<int64_t>(), off64.data_ptr<int64_t>() + p.B);
-      const int64_t lo = off64.min().item<int64_t>();
-      const int64_t hi = off64.max().item<int64_t>();
+      const int64_t lo = *std::min_element(seen.begin(), seen.end());
+      const int64_t hi = *std::max_element(seen.begin(), seen.end());
       TORCH_CHECK_VALUE(lo >= 0, "mask_offset values must be >= 0, got min ", lo, " in ", c10::IntArrayRef(seen));
       TORCH_CHECK_VALUE(hi <= p.S - p.M, "mask_offset + M must be <= S=", p.S, " for M=", p.M,
                         ", got max offset ", hi, " (offsets ", c10::IntArrayRef(seen), ")");
@@ -155,18 +185,6 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tenso
     out.offsets = off.scalar_type() == at::kInt
                       ? off.contiguous()
                       : off.clamp(0, std::numeric_limits<int32_t>::max()).to(at::kInt).contiguous();
-    p.has_offsets = true;
-  }
-
-  const double default_scale = 1.0 / std::sqrt(double(p.D));
-  const double s = scale.has_value() ? *scale : default_scale;
-  TORCH_CHECK_VALUE(std::isfinite(s) && std::isfinite(float(s)), "scale must be a finite float32, got ", s);
-  p.scale = float(s);
-  if (softcap.has_value()) {
-    const double c = *softcap;
-    TORCH_CHECK_VALUE(std::isfinite(c) && c > 0 && std::isfinite(float(c)),
-                      "softcap must be a positive finite float (None turns it off), got ", c);
-    p.softcap = float(c);
   }
   out.p = p;
   return out;

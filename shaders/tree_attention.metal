@@ -2,7 +2,7 @@
 // a reduce pass that merges the splits. The launch geometry, buffer bindings and the
 // traffic model live in csrc/plan.h; the parameter block in tree_attn_params.h.
 //
-// Written in the conservative MSL subset the CPU simulator (csrc/sim) executes: scalar
+// Written in the conservative MSL subset the CPU simulator (tests/sim) executes: scalar
 // device loads and stores, simd_* collectives, threadgroup barriers. Scores use -INFINITY
 // as "masked"; the host must compile this source with fast math off so the comparisons
 // against -INFINITY below keep their meaning.
@@ -265,7 +265,7 @@ template <typename T, int D>
 // Instantiations: tree_attn_main_<dtype>_d<D>_<mask> and tree_attn_reduce_<dtype>_d<D>,
 // dtype in {f32, f16, bf16}, mask in {bool, float} (csrc/plan.cpp builds the same names).
 // Spelled out, parameter attributes included, because the simulator's translator reads
-// them (csrc/sim/SUBSET.md: no attributes inside macros).
+// them (tests/sim/csrc/SUBSET.md: no attributes inside macros).
 // ---------------------------------------------------------------------------------------
 
 // float

@@ -1,10 +1,11 @@
 """The Metal shaders, run by the CPU simulator with the MPS backend's launch plan.
 
-Everything here goes through ``torch.ops.tree_attn._metal_sim_forward_with_lse``: the
+Everything here goes through ``torch.ops.tree_attn_sim.forward_with_lse`` (the test-only
+simulator extension, tests/sim): the
 real shader source, translated to C++, executed threadgroup by threadgroup with lock-step
 simdgroups, NaN-poisoned threadgroup memory and bounds-checked device buffers. Every call
 also checks the device bytes each launch read and wrote against the plan's traffic model
-(the op fails otherwise); ``_metal_sim_traffic`` returns both figures for the tests below.
+(the op fails otherwise); ``tree_attn_sim.traffic`` returns both figures for the tests below.
 """
 import json
 import math
@@ -13,10 +14,11 @@ import pytest
 import torch
 
 import torch_tree_attn  # noqa: F401  (registers the ops)
+import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
 from tests.cases import Case, check_against_reference, make_inputs, parity_matrix
 from torch_tree_attn.reference import tree_attention_reference
 
-ops = torch.ops.tree_attn
+ops = torch.ops.tree_attn_sim
 ARG_ORDER = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap")
 
 
@@ -25,15 +27,15 @@ def args_of(inputs):
 
 
 def sim(inputs):
-    return ops._metal_sim_forward_with_lse(*args_of(inputs))
+    return ops.forward_with_lse(*args_of(inputs))
 
 
 def plan_of(inputs):
-    return json.loads(ops._launch_plan(*args_of(inputs)))
+    return json.loads(ops.launch_plan(*args_of(inputs)))
 
 
 def traffic_of(inputs):
-    return json.loads(ops._metal_sim_traffic(*args_of(inputs)))
+    return json.loads(ops.traffic(*args_of(inputs)))
 
 
 MATRIX = parity_matrix()
@@ -68,7 +70,7 @@ def test_long_prefix_split_across_threadgroups(case):
 
 def test_forward_without_lse_matches():
     inputs = make_inputs(Case(B=2, Hq=4, Hkv=2, T=5, S=40, D=64, dtype=torch.float16))
-    out = ops._metal_sim_forward(*args_of(inputs))
+    out = ops.forward(*args_of(inputs))
     check_against_reference(out, None, inputs)
     assert torch.equal(out, sim(inputs)[0])
 
@@ -80,7 +82,7 @@ def test_deterministic():
 
 
 def test_every_kernel_instantiation_is_exercised():
-    shipped = {name for name in ops._metal_sim_kernels() if name.startswith("tree_attn_")}
+    shipped = {name for name in ops.kernels() if name.startswith("tree_attn_")}
     expected = {f"tree_attn_main_{t}_d{d}_{m}" for t in ("f32", "f16", "bf16") for d in (64, 96, 128, 256)
                 for m in ("bool", "float")}
     expected |= {f"tree_attn_reduce_{t}_d{d}" for t in ("f32", "f16", "bf16") for d in (64, 96, 128, 256)}
@@ -179,7 +181,7 @@ def test_empty_cache_gives_zero_and_neg_inf():
     q = torch.randn(1, 4, 3, 96, dtype=torch.float16)
     kv = torch.empty(1, 2, 0, 96, dtype=torch.float16)
     mask = torch.ones(1, 3, 0, dtype=torch.bool)
-    out, lse = ops._metal_sim_forward_with_lse(q, kv, kv, mask, None, None, None)
+    out, lse = ops.forward_with_lse(q, kv, kv, mask, None, None, None)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 

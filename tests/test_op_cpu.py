@@ -399,10 +399,25 @@ BAD_INPUTS = [
     ("scale inf", lambda i: dict(scale=math.inf), ValueError, r"scale must be a finite float32, got inf"),
     ("scale nan", lambda i: dict(scale=NAN), ValueError, r"scale must be a finite float32, got nan"),
     ("scale over float32", lambda i: dict(scale=1e39), ValueError, r"scale must be a finite float32, got 1e\+39"),
-    ("softcap zero", lambda i: dict(softcap=0.0), ValueError, r"softcap must be a positive finite float .*got 0"),
-    ("softcap negative", lambda i: dict(softcap=-2.0), ValueError, r"softcap must be a positive finite float .*got -2"),
-    ("softcap inf", lambda i: dict(softcap=math.inf), ValueError, r"softcap must be a positive finite float .*got inf"),
+    ("scale underflows float32", lambda i: dict(scale=1e-46), ValueError, r"scale 1e-46 rounds to 0 in float32"),
+    ("softcap zero", lambda i: dict(softcap=0.0), ValueError, r"softcap must be a positive finite float32 .*got 0"),
+    ("softcap negative", lambda i: dict(softcap=-2.0), ValueError, r"softcap must be a positive finite float32 .*got -2"),
+    ("softcap inf", lambda i: dict(softcap=math.inf), ValueError, r"softcap must be a positive finite float32 .*got inf"),
+    ("softcap underflows float32", lambda i: dict(softcap=1e-46), ValueError,
+     r"softcap must be a positive finite float32 .*got 1e-46"),
+    ("softcap over float32", lambda i: dict(softcap=1e39), ValueError, r"softcap must be a positive finite float32"),
+    # A meta tensor among CPU ones: the dispatcher picks the Meta kernel (the fake), which
+    # must refuse rather than return uninitialised CPU memory.
+    ("key on meta", lambda i: dict(key=i["key"].to("meta")), ValueError,
+     r"query, key, value and mask must be on one device, got query on cpu, key on meta"),
+    ("mask on meta", lambda i: dict(mask=i["mask"].to("meta")), ValueError, r"mask on meta"),
+    ("offset on meta", lambda i: dict(mask_offset=i["mask_offset"].to("meta")), ValueError,
+     r"mask_offset must be on the query's device cpu, got meta"),
+    ("query on meta", lambda i: dict(query=i["query"].to("meta")), ValueError, r"got query on meta, key on cpu"),
 ]
+
+# Rules that need the offsets' values: a fake tensor has none, so only the kernel checks them.
+VALUE_RULES = {"negative offset", "offset past cache"}
 
 
 @pytest.mark.parametrize("op", ["forward", "forward_with_lse"])
@@ -412,6 +427,50 @@ def test_validation_names_the_argument(op, make_bad, error, pattern):
     inputs.update(make_bad(inputs))
     with pytest.raises(error, match=pattern):
         getattr(ops, op)(*args_of(inputs))
+
+
+@pytest.mark.parametrize("op", ["forward", "forward_with_lse"])
+@pytest.mark.parametrize("make_bad, error, pattern", [b[1:] for b in BAD_INPUTS if b[0] not in VALUE_RULES],
+                         ids=[b[0] for b in BAD_INPUTS if b[0] not in VALUE_RULES])
+def test_fake_checks_the_same_rules(op, make_bad, error, pattern):
+    # Tracing (torch.compile's FakeTensorMode) raises what the kernel raises, from the
+    # contract's one rule set in C++.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs = _ok()
+    inputs.update(make_bad(inputs))
+    mode = FakeTensorMode()
+    fake = {n: (mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    with mode, pytest.raises(error, match=pattern):
+        getattr(ops, op)(*args_of(fake))
+
+
+def test_fake_accepts_valid_calls_with_exact_metadata():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs = _ok()
+    real_out, real_lse = ops.forward_with_lse(*args_of(inputs))
+    mode = FakeTensorMode()
+    fake = {n: (mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    with mode:
+        out, lse = ops.forward_with_lse(*args_of(fake))
+    for got, want in ((out, real_out), (lse, real_lse)):
+        assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device)
+
+
+@pytest.mark.parametrize("op", ["forward", "forward_with_lse"])
+def test_backward_raises_instead_of_returning_no_gradients(op):
+    inputs = _ok()
+    inputs["query"].requires_grad_(True)
+    inputs["key"].requires_grad_(True)
+    result = getattr(ops, op)(*args_of(inputs))
+    out = result[0] if isinstance(result, tuple) else result
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match=r"tree_attn\.%s has no backward" % op):
+        out.sum().backward()
+    # Inference under no_grad is unaffected.
+    with torch.no_grad():
+        check_against_reference(ops.forward(*args_of(inputs)), None, inputs)
 
 
 def test_valid_edges_are_accepted():

@@ -1,6 +1,6 @@
-"""Tests of the Metal Shading Language simulator itself (csrc/sim): the translator, the
+"""Tests of the Metal Shading Language simulator itself (tests/sim): the translator, the
 lock-step simd-group and barrier semantics, threadgroup-memory poisoning, half/bfloat rounding,
-fault detection and byte counting, through the self-test kernels in csrc/sim/selftest/.
+fault detection and byte counting, through the self-test kernels in tests/sim/csrc/selftest/.
 
 Expected values are computed independently here (float64 / torch conversions), never by the
 simulator.
@@ -12,20 +12,14 @@ import sys
 import pytest
 import torch
 
-import torch_tree_attn  # noqa: F401  (registers the ops)
+import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "csrc", "sim"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "sim", "csrc"))
 import msl2cpp  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(torch.ops.tree_attn, "_metal_sim_launch"),
-    reason="the Metal simulator is built only where there is no Metal (not on macOS)",
-)
-
-
 def launch(kernel, grid, threads, buffers, threadgroup_memory=()):
-    return torch.ops.tree_attn._metal_sim_launch(kernel, list(grid), list(threads), list(threadgroup_memory), buffers)
+    return torch.ops.tree_attn_sim.launch(kernel, list(grid), list(threads), list(threadgroup_memory), buffers)
 
 
 def exact_values(n, seed):
@@ -39,7 +33,7 @@ def exact_values(n, seed):
 # Registry and launch validation
 # ---------------------------------------------------------------------------------------------
 def test_selftest_kernels_are_registered():
-    names = set(torch.ops.tree_attn._metal_sim_kernels())
+    names = set(torch.ops.tree_attn_sim.kernels())
     for name in ["selftest_simd_collectives", "selftest_barrier_reverse", "selftest_poison",
                  "selftest_lowp_numerics", "selftest_scale_float", "selftest_scale_half",
                  "selftest_scale_bfloat", "selftest_oob_read", "selftest_copy"]:
@@ -268,7 +262,7 @@ def test_bounds_are_those_of_the_allocation_not_the_view():
 @pytest.mark.parametrize(
     "kernel, message",
     [
-        ("selftest_divergent_simd", r"divergent simd-group ops: this lane reached simd_max \(csrc/sim/selftest/faults.metal:\d+:\d+\) "
+        ("selftest_divergent_simd", r"divergent simd-group ops: this lane reached simd_max \(tests/sim/csrc/selftest/faults.metal:\d+:\d+\) "
                                     r"while lanes \{0-15\} wait at simd_sum"),
         ("selftest_divergent_barrier", r"returned while 32 thread\(s\) wait at threadgroup_barrier"),
         ("selftest_deadlock", r"divergent simdgroup: this lane reached simd_sum .* while lanes \{0-7\} wait at threadgroup_barrier"),

@@ -2,13 +2,14 @@
 
 Importing this package loads the C++ extension, which registers the operators
 ``torch.ops.tree_attn.forward`` and ``torch.ops.tree_attn.forward_with_lse`` for every
-backend built on this machine, and registers their fake (meta) implementations so they
-trace under ``torch.compile``.
+backend built on this machine, and registers their fake (meta) implementations, which
+check their inputs, so they trace under ``torch.compile``. The op has no backward: asking
+for one raises.
 """
 import torch
 
 from . import _C  # noqa: F401  (registers the operators)
-from . import _fake  # noqa: F401  (registers the fake implementations)
+from . import _fake  # noqa: F401  (registers the fake implementations and autograd)
 from .ops import tree_attention
 
 __all__ = ["tree_attention"]

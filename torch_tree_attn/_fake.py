@@ -1,10 +1,55 @@
-"""Fake implementations: output metadata for torch.compile / FakeTensor tracing.
+"""Fake implementations (for torch.compile / FakeTensor tracing, and the Meta backend)
+and the op's autograd registration.
 
-They mirror the real kernels exactly: out is a contiguous ``[B, Hq, T, D]`` tensor in the
-query dtype, lse a contiguous float32 ``[B, Hq, T]``. Argument checking is the C++
-validation's job and happens when the real kernel runs.
+The fakes check a call with the contract's own rules: ``_C.check_contract`` is the C++
+``check_contract()`` that every backend's ``prepare()`` runs, applied to the arguments'
+metadata (shapes, strides, dtypes, devices), so a bad call fails while tracing with the
+same ValueError/TypeError the kernel would raise, and a call that mixes devices (a meta
+tensor among CPU ones, which the dispatcher sends here) fails instead of returning
+uninitialised memory. Only offset *values* are not checked: a fake has none.
+
+Outputs mirror the real kernels exactly: a contiguous ``[B, Hq, T, D]`` tensor in the
+query dtype, and a contiguous float32 ``[B, Hq, T]`` lse.
 """
+from typing import List, Optional, Tuple
+
 import torch
+
+from . import _C
+
+OPS = ("tree_attn::forward", "tree_attn::forward_with_lse")
+
+
+def _hinted(values) -> Optional[List[int]]:
+    """The ints of a shape or stride; symbolic sizes by their hint (no guard is added).
+    None if a size has no hint (an unbacked symbol): then nothing can be checked."""
+    out = []
+    for v in values:
+        if isinstance(v, int):
+            out.append(v)
+            continue
+        node = getattr(v, "node", None)
+        if node is None or not node.has_hint() or not isinstance(node.hint, int):
+            return None
+        out.append(node.hint)
+    return out
+
+
+def _meta(t: torch.Tensor):
+    sizes, strides = _hinted(t.shape), _hinted(t.stride())
+    if sizes is None or strides is None:
+        return None
+    return sizes, strides, t.dtype, t.device
+
+
+def check_call(query, key, value, mask, mask_offset=None, scale=None, softcap=None) -> None:
+    """Raises what the op would raise for this call, from its metadata alone."""
+    tensors = (query, key, value, mask) + ((mask_offset,) if mask_offset is not None else ())
+    metas = [_meta(t) for t in tensors]
+    if any(m is None for m in metas):
+        return  # unbacked sizes: the kernel checks them when it runs
+    offsets = metas[4] if mask_offset is not None else None
+    _C.check_contract(*metas[:4], offsets, scale, softcap)
 
 
 def _out(query):
@@ -16,17 +61,35 @@ def _lse(query):
 
 
 def _forward_fake(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
+    check_call(query, key, value, mask, mask_offset, scale, softcap)
     return _out(query)
 
 
 def _forward_with_lse_fake(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
+    check_call(query, key, value, mask, mask_offset, scale, softcap)
     return _out(query), _lse(query)
 
 
-for _name, _fn in (
-    ("tree_attn::forward", _forward_fake),
-    ("tree_attn::forward_with_lse", _forward_with_lse_fake),
-    ("tree_attn::_metal_sim_forward", _forward_fake),
-    ("tree_attn::_metal_sim_forward_with_lse", _forward_with_lse_fake),
-):
-    torch.library.register_fake(_name)(_fn)
+torch.library.register_fake("tree_attn::forward")(_forward_fake)
+torch.library.register_fake("tree_attn::forward_with_lse")(_forward_with_lse_fake)
+
+
+# --- autograd: the op has no backward, and says so when one is asked for ---------------
+
+def _setup_context(ctx, inputs, output) -> None:
+    pass
+
+
+def _no_backward(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{name} has no backward: tree attention is an inference op (speculative-decoding "
+            "verification). Call it under torch.no_grad() / torch.inference_mode(), or detach its "
+            "inputs, or use F.scaled_dot_product_attention where gradients are needed."
+        )
+
+    return backward
+
+
+for _op in OPS:
+    torch.library.register_autograd(_op, _no_backward(_op.replace("::", ".")), setup_context=_setup_context)

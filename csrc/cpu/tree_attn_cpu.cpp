@@ -45,7 +45,8 @@
 #define TREE_ATTN_BF16_DOT 0
 #endif
 
-#include "../tree_attn.h"
+#include "backend.h"
+#include "tree_attn.h"
 
 namespace tree_attn {
 namespace {
@@ -706,28 +707,15 @@ void forward_cpu_impl(const Prepared& in, at::Tensor& out, at::Tensor& lse) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_with_lse_cpu(const at::Tensor& query, const at::Tensor& key,
-                                                        const at::Tensor& value, const at::Tensor& mask,
-                                                        const c10::optional<at::Tensor>& mask_offset,
-                                                        c10::optional<double> scale,
-                                                        c10::optional<double> softcap) {
-  const Prepared in = prepare(query, key, value, mask, mask_offset, scale, softcap, OffsetCheck::OnHost);
-  at::Tensor out = empty_output(in), lse = empty_lse(in);
-  if (!in.p.empty()) forward_cpu_impl(in, out, lse);
-  return {out, lse};
-}
-
-at::Tensor forward_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const at::Tensor& mask, const c10::optional<at::Tensor>& mask_offset,
-                       c10::optional<double> scale, c10::optional<double> softcap) {
-  return std::get<0>(forward_with_lse_cpu(query, key, value, mask, mask_offset, scale, softcap));
-}
+// The CPU backend of the one backend interface (csrc/backend.h). Offsets are host memory
+// here, so prepare() checks them.
+struct CpuBackend {
+  static constexpr OffsetCheck kOffsetCheck = OffsetCheck::OnHost;
+  static void run(const Prepared& in, at::Tensor& out, at::Tensor& lse) { forward_cpu_impl(in, out, lse); }
+};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tree_attn, CPU, m) {
-  m.impl("forward", &forward_cpu);
-  m.impl("forward_with_lse", &forward_with_lse_cpu);
-}
+TREE_ATTN_REGISTER_BACKEND(tree_attn, CPU, CpuBackend)
 
 }  // namespace tree_attn

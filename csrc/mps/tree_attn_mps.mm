@@ -14,13 +14,13 @@
 #include <ATen/ATen.h>
 #include <ATen/mps/MPSDevice.h>
 #include <ATen/mps/MPSStream.h>
-#include <torch/library.h>
 
 #include <string>
 #include <vector>
 
+#include "backend.h"
+#include "metal/plan.h"
 #include "pipeline_cache.h"
-#include "plan.h"
 #include "tree_attn.h"
 
 namespace tree_attn {
@@ -46,31 +46,6 @@ struct EncodedLaunch {
   NSUInteger threadgroup_memory_bytes = 0;
   std::vector<BoundBuffer> buffers;
   std::vector<NSUInteger> params_indices;
-};
-
-// The tensors a plan's buffer roles refer to.
-struct CallTensors {
-  const Prepared& in;
-  const at::Tensor& scratch;
-  const at::Tensor& output;
-  const at::Tensor& lse;
-
-  const at::Tensor& tensor_for(BufferRole role) const {
-    switch (role) {
-      case BufferRole::Query: return in.query;
-      case BufferRole::Key: return in.key;
-      case BufferRole::Value: return in.value;
-      case BufferRole::Mask: return in.mask;
-      case BufferRole::Offsets: return in.offsets;
-      case BufferRole::PartialO:
-      case BufferRole::PartialM:
-      case BufferRole::PartialL: return scratch;
-      case BufferRole::Output: return output;
-      case BufferRole::Lse: return lse;
-      case BufferRole::Params: break;
-    }
-    TORCH_INTERNAL_ASSERT(false, "tree attention: buffer role ", role_name(role), " has no tensor");
-  }
 };
 
 std::string device_name(id<MTLDevice> device) {
@@ -180,40 +155,25 @@ void encode_plan(const Plan& plan, const CallTensors& tensors) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_with_lse_mps(const at::Tensor& query, const at::Tensor& key,
-                                                        const at::Tensor& value, const at::Tensor& mask,
-                                                        const c10::optional<at::Tensor>& mask_offset,
-                                                        c10::optional<double> scale,
-                                                        c10::optional<double> softcap) {
-  const Prepared in = prepare(query, key, value, mask, mask_offset, scale, softcap, OffsetCheck::ClampInKernel);
-  at::Tensor output = empty_output(in);
-  at::Tensor lse = empty_lse(in);
-  if (in.p.empty()) return {output, lse};
+// The MPS backend of the one backend interface (csrc/backend.h).
+struct MpsBackend {
+  static constexpr OffsetCheck kOffsetCheck = OffsetCheck::ClampInKernel;
 
-  const Plan plan = make_plan(in);
-  // Scratch comes from PyTorch's caching allocator. Releasing it when this function
-  // returns, before the GPU has run, is safe: the allocator only hands the memory to
-  // later work on the same stream, which runs after ours.
-  const at::Tensor scratch =
-      at::empty({int64_t(plan.scratch_bytes)}, query.options().dtype(at::kByte));
-  // The plan binds these three at byte 0: they are fresh, so their storage starts there.
-  TORCH_INTERNAL_ASSERT(output.storage_offset() == 0 && lse.storage_offset() == 0 && scratch.storage_offset() == 0);
-  encode_plan(plan, CallTensors{in, scratch, output, lse});
-  return {output, lse};
-}
-
-at::Tensor forward_mps(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const at::Tensor& mask, const c10::optional<at::Tensor>& mask_offset,
-                       c10::optional<double> scale, c10::optional<double> softcap) {
-  // The reduce pass always writes the lse too; it is one float per query row.
-  return std::get<0>(forward_with_lse_mps(query, key, value, mask, mask_offset, scale, softcap));
-}
+  static void run(const Prepared& in, at::Tensor& output, at::Tensor& lse) {
+    const Plan plan = make_plan(in);
+    // Scratch comes from PyTorch's caching allocator. Releasing it when this function
+    // returns, before the GPU has run, is safe: the allocator only hands the memory to
+    // later work on the same stream, which runs after ours.
+    const at::Tensor scratch = at::empty({int64_t(plan.scratch_bytes)}, in.query.options().dtype(at::kByte));
+    // The plan binds these three at byte 0: they are fresh, so their storage starts there.
+    TORCH_INTERNAL_ASSERT(output.storage_offset() == 0 && lse.storage_offset() == 0 &&
+                          scratch.storage_offset() == 0);
+    encode_plan(plan, CallTensors{in, scratch, output, lse});
+  }
+};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tree_attn, MPS, m) {
-  m.impl("forward", &forward_mps);
-  m.impl("forward_with_lse", &forward_with_lse_mps);
-}
+TREE_ATTN_REGISTER_BACKEND(tree_attn, MPS, MpsBackend)
 
 }  // namespace tree_attn

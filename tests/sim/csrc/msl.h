@@ -2,7 +2,7 @@
 //
 // msl2cpp.py translates shaders/*.metal into C++ that includes this header instead of
 // <metal_stdlib>. It provides, in namespace metal, the part of the MSL standard library the
-// project's kernels use (csrc/sim/SUBSET.md lists it): half and bfloat with per-operation
+// project's kernels use (tests/sim/csrc/SUBSET.md lists it): half and bfloat with per-operation
 // rounding, vector types, math, simd-group functions with lock-step semantics, barriers, and
 // checked pointer types for the device and threadgroup address spaces.
 //
@@ -33,7 +33,7 @@
 #include <source_location>
 #include <type_traits>
 
-#include "sim/exec.h"
+#include "exec.h"
 
 namespace metal {
 

@@ -1,6 +1,6 @@
 // Context switching for the simulator's fibers: hand-written for x86-64 (System V) and AArch64
 // (AAPCS64), ucontext everywhere else.
-#include "sim/fiber.h"
+#include "fiber.h"
 
 #include <cstdint>
 #include <cstring>

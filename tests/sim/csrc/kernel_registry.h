@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "sim/exec.h"
-#include "sim/msl.h"
+#include "exec.h"
+#include "msl.h"
 
 namespace tree_attn::sim::detail {
 

@@ -1,12 +1,13 @@
 // Debug ops that expose the Metal Shading Language simulator directly, for tests of the
-// simulator itself (tests/test_simulator.py): launch any translated kernel on CPU tensors.
+// simulator itself (tests/test_simulator.py): `launch` runs any translated kernel on CPU
+// tensors bound as writable buffers, which is why this is test apparatus only.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <string>
 #include <vector>
 
-#include "sim/runtime.h"
+#include "runtime.h"
 
 namespace tree_attn {
 namespace {
@@ -18,11 +19,11 @@ std::string dims_str(c10::IntArrayRef v) {
 }
 
 std::array<uint32_t, 3> launch_dims(c10::IntArrayRef v, const char* what) {
-  TORCH_CHECK(!v.empty() && v.size() <= 3, "_metal_sim_launch: ", what, " must have 1 to 3 entries, got ",
+  TORCH_CHECK(!v.empty() && v.size() <= 3, "tree_attn_sim.launch: ", what, " must have 1 to 3 entries, got ",
               dims_str(v));
   std::array<uint32_t, 3> out{1, 1, 1};
   for (size_t i = 0; i < v.size(); ++i) {
-    TORCH_CHECK(v[i] >= 0 && v[i] <= UINT32_MAX, "_metal_sim_launch: ", what, " ", dims_str(v),
+    TORCH_CHECK(v[i] >= 0 && v[i] <= UINT32_MAX, "tree_attn_sim.launch: ", what, " ", dims_str(v),
                 " has an entry outside [0, 2^32)");
     out[i] = uint32_t(v[i]);
   }
@@ -38,13 +39,13 @@ std::vector<int64_t> metal_sim_launch(const std::string& kernel, c10::IntArrayRe
   desc.grid = launch_dims(grid, "grid");
   desc.threads = launch_dims(threads, "threads");
   for (size_t i = 0; i < threadgroup_memory.size(); ++i) {
-    TORCH_CHECK(threadgroup_memory[i] >= 0, "_metal_sim_launch: threadgroup_memory[", i, "] = ",
+    TORCH_CHECK(threadgroup_memory[i] >= 0, "tree_attn_sim.launch: threadgroup_memory[", i, "] = ",
                 threadgroup_memory[i], " is negative");
     desc.threadgroup_memory[int(i)] = size_t(threadgroup_memory[i]);
   }
   for (size_t i = 0; i < buffers.size(); ++i) {
     const at::Tensor& t = buffers[i];
-    TORCH_CHECK(t.device().is_cpu(), "_metal_sim_launch: buffers[", i, "] must be a CPU tensor, got ", t.device());
+    TORCH_CHECK(t.device().is_cpu(), "tree_attn_sim.launch: buffers[", i, "] must be a CPU tensor, got ", t.device());
     sim::Binding b;
     b.base = t.storage().data();
     b.length = t.storage().nbytes();
@@ -61,13 +62,13 @@ std::vector<std::string> metal_sim_kernels() { return sim::kernel_names(); }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tree_attn, m) {
+TORCH_LIBRARY_FRAGMENT(tree_attn_sim, m) {
   m.def(
-      "_metal_sim_launch(str kernel, int[] grid, int[] threads, int[] threadgroup_memory, Tensor(a!)[] buffers) "
+      "launch(str kernel, int[] grid, int[] threads, int[] threadgroup_memory, Tensor(a!)[] buffers) "
       "-> int[]");
-  m.def("_metal_sim_kernels() -> str[]", &metal_sim_kernels);
+  m.def("kernels() -> str[]", &metal_sim_kernels);
 }
 
-TORCH_LIBRARY_IMPL(tree_attn, CPU, m) { m.impl("_metal_sim_launch", &metal_sim_launch); }
+TORCH_LIBRARY_IMPL(tree_attn_sim, CPU, m) { m.impl("launch", &metal_sim_launch); }
 
 }  // namespace tree_attn

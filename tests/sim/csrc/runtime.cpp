@@ -1,7 +1,7 @@
 // The simulator's executor: kernel registry, launch validation, the per-threadgroup fiber
 // scheduler with lock-step simd-group and barrier semantics, fault reporting, race detection on
 // threadgroup and device memory, and the parallel loop over threadgroups.
-#include "sim/runtime.h"
+#include "runtime.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -18,9 +18,9 @@
 #include <stdexcept>
 #include <thread>
 
-#include "sim/exec.h"
-#include "sim/fiber.h"
-#include "sim/kernel_registry.h"
+#include "exec.h"
+#include "fiber.h"
+#include "kernel_registry.h"
 
 namespace tree_attn::sim {
 namespace detail {
