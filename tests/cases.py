@@ -136,22 +136,33 @@ def make_inputs(case: Case, device="cpu") -> dict:
 
 
 def check_against_reference(out: torch.Tensor, lse: Optional[torch.Tensor], inputs: dict) -> None:
+    """out (and lse, if given) against the float64 reference: equal within the dtype's
+    tolerance; NaN exactly in the rows the contract poisons (every element of them), 0 and
+    lse -inf exactly in the rows that see no key."""
     q = inputs["query"]
     ref_out, ref_lse = tree_attention_reference(**inputs)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     out = out.detach().cpu()
-    assert not torch.isnan(out).any(), "NaN in output"
-    torch.testing.assert_close(out.double(), ref_out.to(q.dtype).double(), **TOLERANCE[q.dtype])
+    poisoned = torch.isnan(ref_lse)
+    got_nan = torch.isnan(out)
+    assert torch.equal(got_nan.any(dim=-1), poisoned), (
+        f"NaN rows {got_nan.any(dim=-1).nonzero().tolist()} != rows that see a non-finite value "
+        f"{poisoned.nonzero().tolist()}")
+    assert got_nan[poisoned].all(), "a poisoned row must be NaN in every element"
+    clean = ~poisoned
+    torch.testing.assert_close(out[clean].double(), ref_out[clean].to(q.dtype).double(), **TOLERANCE[q.dtype])
     if lse is not None:
         assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
         lse = lse.detach().cpu().double()
+        assert torch.equal(torch.isnan(lse), poisoned), "lse must be NaN exactly in the poisoned rows"
         empty = torch.isneginf(ref_lse)
         assert torch.equal(torch.isneginf(lse), empty), "rows that see no key must give lse -inf"
         assert (out[empty] == 0).all(), "rows that see no key must give output 0"
         lse_tol = dict(LSE_TOLERANCE)
         if q.dtype != torch.float32:
             lse_tol = dict(atol=2e-3, rtol=1e-3)
-        torch.testing.assert_close(lse[~empty], ref_lse[~empty], **lse_tol)
+        ok = clean & ~empty
+        torch.testing.assert_close(lse[ok], ref_lse[ok], **lse_tol)
 
 
 def parity_matrix() -> list:
@@ -181,3 +192,93 @@ def parity_matrix() -> list:
                 cases.append(Case(B=B, Hq=G * Hkv, Hkv=Hkv, T=T, S=S, D=D, dtype=dtype, mask_kind=mask_kind,
                                   window=window, seed=seed, **extra))
     return cases
+
+
+# ---------------------------------------------------------------------------------------
+# Non-finite values (README, "Non-finite values"): a row is poisoned (NaN output, NaN lse)
+# exactly when something it sees is not finite; what it does not see never matters.
+
+NONFINITE_KINDS = (
+    "query_nan", "query_inf",              # one query element
+    "prefix_key_nan", "prefix_value_inf",  # a prefix key/value element: every row of its kv head
+    "window_key_inf", "window_value_nan",  # a window key some rows see and others don't
+    "masked_key_nan", "masked_value_inf",  # a window key no row sees: harmless
+    "bias_nan", "bias_inf",                # a seen float-mask entry (float masks only)
+)
+
+
+def _seen_window(inputs: dict) -> torch.Tensor:
+    """bool [B, Hq, T, M]: which window entries the mask lets each row see."""
+    mask = inputs["mask"]
+    mask = mask[:, None] if mask.dim() == 3 else mask
+    B, Hq, T = inputs["query"].shape[:3]
+    mask = mask.expand(B, Hq, T, mask.shape[-1])
+    return mask if mask.dtype == torch.bool else ~torch.isneginf(mask.float())
+
+
+def inject_nonfinite(inputs: dict, kind: str, seed: int = 0) -> bool:
+    """Puts one non-finite value of `kind` into `inputs` (in place). Returns False when the
+    case has no place for it (e.g. no prefix, or a bool mask for a bias kind)."""
+    rng = random.Random(seed)
+    q, k, v, mask = inputs["query"], inputs["key"], inputs["value"], inputs["mask"]
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    M = mask.shape[-1]
+    offs = [0] * B if inputs["mask_offset"] is None else [int(o) for o in inputs["mask_offset"]]
+    bad = {"nan": math.nan, "inf": math.inf}[kind.rsplit("_", 1)[1]]
+    d = rng.randrange(D)
+    if kind.startswith("query"):
+        q[rng.randrange(B), rng.randrange(Hq), rng.randrange(T), d] = bad
+        return True
+    if kind.startswith("prefix"):
+        rows = [b for b in range(B) if offs[b] > 0]
+        if not rows:
+            return False
+        b = rng.choice(rows)
+        target = k if "key" in kind else v
+        target[b, rng.randrange(Hkv), rng.randrange(offs[b]), d] = -bad if rng.random() < 0.5 else bad
+        return True
+    if M == 0:
+        return False
+    seen = _seen_window(inputs)  # [B, Hq, T, M]
+    if kind.startswith("bias"):
+        if mask.dtype == torch.bool:
+            return False
+        spots = seen.nonzero().tolist()
+        if not spots:
+            return False
+        b, h, t, col = rng.choice(spots)
+        index = [min(b, mask.shape[0] - 1)] + ([min(h, mask.shape[1] - 1)] if mask.dim() == 4 else []) + [t, col]
+        mask[tuple(index)] = bad
+        return True
+    # Window keys, per (batch row, kv head): how many of its G * T rows see each column.
+    per_head = seen.view(B, Hkv, G * T, M).sum(dim=2)
+    want_masked = kind.startswith("masked")
+    spots = [(b, h, col) for b in range(B) for h in range(Hkv) for col in range(M)
+             if (per_head[b, h, col] == 0) == want_masked and (want_masked or per_head[b, h, col] < G * T)]
+    if not spots:
+        return False
+    b, h, col = rng.choice(spots)
+    target = k if "key" in kind else v
+    target[b, h, offs[b] + col, d] = bad
+    return True
+
+
+def nonfinite_cases() -> list:
+    """(case, kind) pairs: every kind over each dtype, mask kind and window, with splits."""
+    pairs = []
+    seed = 5000
+    shapes = [
+        dict(B=2, Hq=4, Hkv=2, T=5, S=40, D=64),
+        dict(B=2, Hq=8, Hkv=1, T=16, S=300, D=128, kv_layout="bshd"),
+        dict(B=1, Hq=2, Hkv=1, T=7, S=1500, D=96, softcap=30.0),   # long prefix: key splits
+    ]
+    for i, kind in enumerate(NONFINITE_KINDS):
+        for j, dtype in enumerate(DTYPES):
+            shape = shapes[(i + j) % len(shapes)]
+            mask_kind = "float" if kind.startswith("bias") or (i + j) % 2 else "bool"
+            window = "dense" if (i + 2 * j) % 3 == 0 and not kind.startswith("prefix") else "compact"
+            seed += 1
+            pairs.append((Case(dtype=dtype, mask_kind=mask_kind, window=window, seed=seed, **shape), kind))
+    return pairs
