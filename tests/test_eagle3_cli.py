@@ -1,0 +1,357 @@
+"""The command line of examples/eagle3_verify.py: bad input gives one clear line and a non-zero
+exit status, never a traceback, and the reported numbers match what was actually emitted.
+
+Everything runs in-process through ``main([...])`` on the built-in models with small budgets.
+"""
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from torch_tree_attn import builtin  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "examples", "eagle3_verify.py")
+PREFIX = "eagle3_verify.py: error: "
+
+
+def _demo_module():
+    spec = importlib.util.spec_from_file_location("eagle3_verify_cli", DEMO)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+demo = _demo_module()
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    # main() sets one torch thread for the built-in models on CPU; give the default back.
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No network here: make hub look-ups fail at once instead of after connection retries."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def exit_of(argv, capsys):
+    """main(argv)'s SystemExit code and its stderr."""
+    with pytest.raises(SystemExit) as info:
+        demo.main(argv)
+    return info.value.code, capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# Bad flags: argparse's usage error, status 2, the last line naming the flag and the value
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,flag,seen", [
+    (["--max-new-tokens", "0"], "--max-new-tokens", "'0'"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens", "'-3'"),
+    (["--max-new-tokens", "2.5"], "--max-new-tokens", "'2.5'"),
+    (["--total-tokens", "0"], "--total-tokens", "'0'"),
+    (["--depth", "-1"], "--depth", "'-1'"),
+    (["--top-k", "0"], "--top-k", "'0'"),
+    (["--top-k", "two"], "--top-k", "'two'"),
+    (["--top-p", "0"], "--top-p", "'0'"),
+    (["--top-p", "1.5"], "--top-p", "'1.5'"),
+    (["--top-p", "nan"], "--top-p", "'nan'"),
+    (["--top-p", "-0.5"], "--top-p", "'-0.5'"),
+    (["--temperature", "-1"], "--temperature", "'-1'"),
+    (["--temperature", "nan"], "--temperature", "'nan'"),
+    (["--temperature", "inf"], "--temperature", "'inf'"),
+    (["--temperature", "1e-300"], "--temperature", "'1e-300'"),  # overflows float32 logits / T
+    (["--temperature", "warm"], "--temperature", "'warm'"),
+    (["--threads", "0"], "--threads", "'0'"),
+    (["--threads", "-2"], "--threads", "'-2'"),
+    (["--seed", str(2**64)], "--seed", repr(str(2**64))),
+    (["--device", "tpu"], "--device", "'tpu'"),
+    (["--dtype", "float64"], "--dtype", "'float64'"),
+    (["--check", "--temperature", "0.7"], "--check", "0.7"),
+    (["--target", "some-org/some-model"], "--draft", "'some-org/some-model'"),
+    (["--prompt", "caf\udce9"], "--prompt", "'caf\\udce9'"),  # undecodable byte from the shell
+])
+def test_bad_flag_is_a_usage_error(argv, flag, seen, capsys):
+    code, err = exit_of(argv, capsys)
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"{PREFIX}argument {flag}:"), err
+    assert seen in last, err
+    assert "Traceback" not in err
+
+
+def test_parse_args_accepts_the_edges():
+    args = demo.parse_args(["--max-new-tokens", "1", "--total-tokens", "1", "--depth", "0", "--top-k", "1",
+                            "--top-p", "1", "--temperature", "1e-4", "--threads", "1", "--seed", "-1"])
+    assert (args.max_new_tokens, args.total_tokens, args.depth, args.top_k) == (1, 1, 0, 1)
+    assert (args.top_p, args.temperature, args.threads, args.seed) == (1.0, 1e-4, 1, -1)
+    assert demo.parse_args(["--temperature", "-0"]).temperature == 0  # greedy, not a negative value
+    # The tree-shape defaults: small for the built-in pair on CPU, EAGLE's elsewhere.
+    small = demo.parse_args([])
+    assert (small.total_tokens, small.depth, small.top_k) == (24, 8, 4)
+    eagle = demo.parse_args(["--device", "cuda"])
+    assert (eagle.total_tokens, eagle.depth, eagle.top_k) == (60, 7, 10)
+
+
+def test_top_p_with_greedy_is_noted(capsys):
+    demo.parse_args(["--top-p", "0.9"])
+    assert "--top-p 0.9 has no effect with --temperature 0" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# Environment and model problems: one line, status 1
+# --------------------------------------------------------------------------------------------
+
+
+def assert_one_line(code, err, flag, *parts):
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"{PREFIX}{flag} "), err
+    for part in parts:
+        assert part in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_unavailable(capsys):
+    assert_one_line(*exit_of(["--device", "cuda"], capsys), "--device", "CUDA is not available")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="MPS is available here")
+def test_mps_unavailable(capsys):
+    assert_one_line(*exit_of(["--device", "mps"], capsys), "--device", "MPS is not available")
+
+
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_missing_local_path(flag, tmp_path, capsys):
+    for missing in (str(tmp_path / "no" / "such" / "model"), "./no-such-model-dir/"):
+        argv = ["--target", missing, "--draft", missing] if flag == "--target" else ["--draft", missing]
+        assert_one_line(*exit_of(argv, capsys), flag, repr(missing), "no such directory")
+
+
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_file_instead_of_directory(flag, tmp_path, capsys):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"")
+    argv = ["--target", str(path), "--draft", str(path)] if flag == "--target" else ["--draft", str(path)]
+    assert_one_line(*exit_of(argv, capsys), flag, repr(str(path)), "is a file")
+
+
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_directory_without_a_checkpoint(flag, tmp_path, capsys):
+    argv = ["--target", str(tmp_path), "--draft", str(tmp_path)] if flag == "--target" else ["--draft", str(tmp_path)]
+    assert_one_line(*exit_of(argv, capsys), flag, repr(str(tmp_path)), "cannot load it")
+
+
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_hub_id_that_cannot_be_fetched(flag, offline, capsys):
+    # Looks like a hub id and is no local directory: the download is tried, and fails here.
+    argv = ["--target", "no-such-org/no-such-model", "--draft", "no-such-org/no-such-draft"]
+    if flag == "--draft":
+        argv = ["--draft", "no-such-org/no-such-draft"]
+    source = argv[argv.index(flag) + 1]
+    assert_one_line(*exit_of(argv, capsys), flag, repr(source), "fetching it from the Hugging Face Hub failed")
+
+
+# --------------------------------------------------------------------------------------------
+# Flags only the loaded model can judge: the prompt and the budget against the context
+# --------------------------------------------------------------------------------------------
+
+CONTEXT = builtin.TARGET_ARCH["max_position_embeddings"]
+
+
+def test_prompt_longer_than_the_context(capsys):
+    code, err = exit_of(["--prompt", "x" * CONTEXT], capsys)  # + BOS: one token too many
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (f"{PREFIX}argument --prompt: {CONTEXT + 1} tokens, longer than the "
+                                            f"target's context of {CONTEXT} positions")
+
+
+def test_prompt_that_encodes_to_nothing(monkeypatch, capsys):
+    # The byte tokenizer always adds BOS; a tokenizer without one turns "" into no tokens.
+    monkeypatch.setattr(demo, "encode_prompt", lambda tok, prompt, device: torch.zeros(1, 0, dtype=torch.long))
+    code, err = exit_of(["--prompt", ""], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == f"{PREFIX}argument --prompt: '' encodes to no tokens; the target needs at least one"
+
+
+def test_budget_beyond_the_context(capsys):
+    prompt_len = len(demo.DEFAULT_PROMPT) + 1  # bytes + BOS
+    fits = CONTEXT - prompt_len - 9 + 1  # default built-in tree: depth 8 + the root step = 9 levels
+    code, err = exit_of(["--max-new-tokens", str(fits + 1)], capsys)
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"{PREFIX}argument --max-new-tokens: {fits + 1} does not fit"), last
+    assert last.endswith(f"the most that fits is {fits}"), last
+
+
+def test_budget_at_the_context_edge_runs_within_it(monkeypatch, capsys):
+    # A prompt that leaves room for 6 new tokens with the default tree; record every position
+    # the target is given (tree rounds pass them; the other forwards follow the cache).
+    prompt = "x" * (CONTEXT - 1 - 9 + 1 - 6)
+    fits = CONTEXT - (len(prompt) + 1) - 9 + 1
+    assert fits == 6
+    code, err = exit_of(["--prompt", prompt, "--max-new-tokens", str(fits + 1)], capsys)
+    assert code == 2 and "the most that fits is 6" in err
+
+    highest = []
+    real_load = demo.load_models
+
+    def load_models(*a, **kw):
+        target, draft, tokenizer = real_load(*a, **kw)
+
+        def hook(module, args, kwargs):
+            cache = kwargs.get("past_key_values", kwargs.get("cache"))
+            ids, pos = kwargs["input_ids"], kwargs.get("position_ids")
+            highest.append(int(pos.max()) if pos is not None else cache.get_seq_length() + ids.shape[1] - 1)
+
+        target.register_forward_pre_hook(hook, with_kwargs=True)
+        return target, draft, tokenizer
+
+    monkeypatch.setattr(demo, "load_models", load_models)
+    assert demo.main(["--prompt", prompt, "--max-new-tokens", str(fits), "--no-progress"]) == 0
+    assert "same tokens as plain greedy decoding: True" in capsys.readouterr().out
+    assert max(highest) <= CONTEXT - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Runs that succeed: the numbers reported are those of the tokens emitted
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Record main()'s decoder runs: each speculative() run's Stats with the number of tokens
+    every verify round produced (accepted draft tokens + bonus, before any cut), and each
+    plain_greedy() run's Stats. The measured runs are the last ones (after the warm-up)."""
+    runs = {"spec": [], "greedy": []}
+    real_spec, real_greedy = demo.speculative, demo.plain_greedy
+
+    def speculative(*a, **kw):
+        runs["spec"].append({"rounds": []})
+        runs["spec"][-1]["stats"] = stats = real_spec(*a, **kw)
+        return stats
+
+    def plain_greedy(*a, **kw):
+        runs["greedy"].append(real_greedy(*a, **kw))
+        return runs["greedy"][-1]
+
+    def recording(verify):
+        def wrapped(*a, **kw):
+            accepted, next_token = verify(*a, **kw)
+            runs["spec"][-1]["rounds"].append(len(accepted))  # accepted[0] is the root: + bonus
+            return accepted, next_token
+        return wrapped
+
+    monkeypatch.setattr(demo, "speculative", speculative)
+    monkeypatch.setattr(demo, "plain_greedy", plain_greedy)
+    monkeypatch.setattr(demo, "verify_greedy", recording(demo.verify_greedy))
+    monkeypatch.setattr(demo, "verify_sampling", recording(demo.verify_sampling))
+    return runs
+
+
+REPORT = re.compile(r"eagle-3 tree decoding: (\d+) tokens? in .* = .* tokens/s, (\d+) target forwards? "
+                    r"\(prefill \+ (\d+) verify rounds?;")
+ACCEPT = re.compile(r"mean acceptance length ([\d.]+) = (\d+) tokens? emitted by (\d+) verify rounds?")
+GREEDY = re.compile(r"plain greedy decoding: (\d+) tokens? in .* tokens/s, (\d+) target forwards?;")
+
+
+def check_run(runs, out, max_new_tokens):
+    """The measured run's numbers, checked against the rounds' recorded outputs and greedy."""
+    spec, sizes = runs["spec"][-1]["stats"], runs["spec"][-1]["rounds"]
+    n = len(spec.tokens)
+    # Emitted: the first token from the prefill, then the rounds' tokens up to the budget (the
+    # built-in model emits no end-of-sequence this early). Rounds stop once the budget is met.
+    assert n == max_new_tokens
+    assert spec.rounds == len(sizes)
+    if sizes:
+        assert sum(sizes[:-1]) < n - 1 <= sum(sizes)
+    else:
+        assert n == 1
+    assert spec.produced == n - 1
+    assert spec.cut == sum(sizes) - (n - 1)
+    assert spec.forwards == 1 + spec.rounds
+
+    shown = REPORT.search(out)
+    assert shown, out
+    assert [int(g) for g in shown.groups()] == [n, 1 + len(sizes), len(sizes)]
+    accept = ACCEPT.search(out)
+    if sizes:
+        assert accept, out
+        assert accept.group(1) == f"{(n - 1) / len(sizes):.2f}"
+        assert [int(accept.group(2)), int(accept.group(3))] == [n - 1, len(sizes)]
+        assert spec.mean_acceptance_length == (n - 1) / len(sizes)
+    else:
+        assert accept is None and "mean acceptance length n/a" in out
+        assert spec.mean_acceptance_length is None
+    greedy = runs["greedy"][-1]
+    assert [int(g) for g in GREEDY.search(out).groups()] == [len(greedy.tokens), len(greedy.tokens)]
+    return spec, sizes
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 10, 20])
+def test_small_budgets_report_what_was_emitted(max_new_tokens, recorder, capsys):
+    assert demo.main(["--max-new-tokens", str(max_new_tokens), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    spec, _ = check_run(recorder, out, max_new_tokens)
+    # Both decoders count the same tokens the same way: the prefill's token included.
+    assert recorder["greedy"][-1].tokens == spec.tokens
+    assert "same tokens as plain greedy decoding: True" in out
+
+
+def test_tokens_cut_at_the_budget_are_not_counted(recorder, capsys):
+    # With a budget of 3 the built-in pair's first round produces more than the 2 that fit.
+    assert demo.main(["--max-new-tokens", "3", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    spec, sizes = check_run(recorder, out, 3)
+    assert sizes and sum(sizes) > 2 and spec.cut == sum(sizes) - 2
+    assert f"mean acceptance length {2 / len(sizes):.2f} = 2 tokens emitted" in out
+    assert f"{spec.cut} tokens produced past the budget or end-of-sequence" in out
+
+
+def test_sampling_small_budget(recorder, capsys):
+    argv = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "12", "--no-progress"]
+    assert demo.main(argv) == 0
+    check_run(recorder, capsys.readouterr().out, 12)
+
+
+def test_progress_bar_small_budget(recorder, capsys):
+    assert demo.main(["--max-new-tokens", "6"]) == 0
+    check_run(recorder, capsys.readouterr().out, 6)
+
+
+def test_empty_prompt_starts_from_bos(recorder, capsys):
+    assert demo.main(["--prompt", "", "--max-new-tokens", "4", "--no-progress"]) == 0
+    check_run(recorder, capsys.readouterr().out, 4)
+
+
+def test_check_passes_on_a_small_budget(capsys):
+    assert demo.main(["--check", "--max-new-tokens", "16", "--no-progress"]) == 0
+    assert "check: OK, the output equals plain greedy decoding (16 tokens)" in capsys.readouterr().out
+
+
+def test_check_failure_is_one_line(monkeypatch, capsys):
+    real = demo.plain_greedy
+
+    def wrong_greedy(*a, **kw):
+        stats = real(*a, **kw)
+        stats.tokens[-1] = (stats.tokens[-1] + 1) % 256
+        return stats
+
+    monkeypatch.setattr(demo, "plain_greedy", wrong_greedy)
+    code, err = exit_of(["--check", "--max-new-tokens", "5", "--no-progress"], capsys)
+    assert code == 1
+    assert err.startswith(f"{PREFIX}check FAILED: outputs differ from token 4") and len(err.strip().splitlines()) == 1
