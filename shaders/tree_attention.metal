@@ -4,8 +4,9 @@
 //
 // Written in the conservative MSL subset the CPU simulator (tests/sim) executes: scalar
 // device loads and stores, simd_* collectives, threadgroup barriers. Scores use -INFINITY
-// as "masked"; the host must compile this source with fast math off so the comparisons
-// against -INFINITY below keep their meaning.
+// as "masked" and partials use NaN as "poisoned"; the host must compile this source with
+// fast math off so the comparisons against -INFINITY and the isfinite/isnan tests below
+// keep their meaning.
 #include <metal_stdlib>
 #include "tree_attn_params.h"
 
@@ -49,6 +50,27 @@ inline float mask_bias(float bias) { return bias; }
 // threadgroup (staged in threadgroup memory) and serves all 32 rows of the block, i.e.
 // ceil(G * T / 32) times per call, not G * T times. A chunk whose window mask hides it
 // from every row of the block is never fetched.
+//
+// Non-finite values (README, "Non-finite values"). A row sees key j when its bias is not
+// -inf (prefix keys: 0; window keys: the mask, a NaN bias counts as seen; keys at or past
+// the range: never). What a row does not see is excluded by selection, never by
+// arithmetic, so NaN or inf there cannot reach it (NaN + -inf and 0 * NaN are NaN):
+//  - scores: an entry the row does not see is -inf whatever its raw score; a seen entry
+//    whose raw score (scale * q.k, float32, before softcap) is not finite, or whose bias is
+//    NaN or +inf, sets the row's poison flag and counts as -inf in the softmax. A
+//    non-finite query element or key element makes every raw score it enters non-finite,
+//    so this one test covers the query, the keys and the biases;
+//  - values: in P.V a row accumulates only the keys it sees (the weight of an unseen key
+//    is the sentinel -1 and the key is skipped), seen keys with their weight even when it
+//    is 0. A non-finite value of a seen key therefore makes the row's accumulator
+//    non-finite, and a non-finite accumulator stays non-finite (rescaling multiplies by a
+//    finite factor, additions cannot cancel inf or NaN), so at the end the row is poisoned
+//    if its flag is set or any of its accumulator elements is not finite. This needs no
+//    per-key flag in threadgroup memory (the tile already takes the whole 32 KB for
+//    float32 at D = 256) and no read or barrier beyond the unpoisoned kernel's;
+//  - a poisoned row writes its partial with m = l = NaN; the reduce pass gives NaN output
+//    and NaN lse to a row with any poisoned split. A row that sees nothing in a split
+//    writes m = -inf, l = 0, o = 0 there, whatever its query holds.
 // ---------------------------------------------------------------------------------------
 template <typename T, int D, typename MaskT>
 [[kernel]] void tree_attn_main(
@@ -99,11 +121,13 @@ template <typename T, int D, typename MaskT>
 
   float q[ROWS][DPL];
   float o[ROWS][DPL];
-  float m[ROWS];  // running max of the scores
-  float l[ROWS];  // running sum of exp(score - m)
+  float m[ROWS];       // running max of the scores
+  float l[ROWS];       // running sum of exp(score - m)
+  bool poison[ROWS];   // this lane's key of some chunk poisons the row (score or bias)
   for (int r = 0; r < ROWS; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.0f;
+    poison[r] = false;
     const long q_base = long(b) * p.q_stride_b + long(row_head[r]) * p.q_stride_h +
                         long(row_node[r]) * p.q_stride_t;
     for (int i = 0; i < DPL; ++i) {
@@ -160,7 +184,8 @@ template <typename T, int D, typename MaskT>
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Scores and online softmax, one row at a time; afterwards lane j holds in weight[r]
-    // the unnormalised probability of key j for row r.
+    // the unnormalised probability of key j for row r if the row sees the key (0 when it
+    // is poisoned), and -1 if it does not.
     float weight[ROWS];
     for (int r = 0; r < ROWS; ++r) {
       float partial[CHUNK];
@@ -169,17 +194,23 @@ template <typename T, int D, typename MaskT>
         for (int i = 0; i < DPL; ++i) dot += q[r][i] * float(kv_tile[k * D + lane + i * 32]);
         partial[k] = dot;
       }
-      float score = simd_transpose_sum(partial, lane);
+      const float raw = simd_transpose_sum(partial, lane);
+      // Selection, not arithmetic: an unseen entry is -inf whatever raw holds.
+      const bool seen = !(bias[r] == -INFINITY);
+      const bool bad = seen && !(isfinite(raw) && isfinite(bias[r]));
+      poison[r] = poison[r] || bad;
+      float score = raw;
       if (p.softcap > 0.0f) score = p.softcap * tanh(score / p.softcap);
-      score += bias[r];
+      score = (seen && !bad) ? score + bias[r] : -INFINITY;
 
       const float m_new = max(m[r], simd_max(score));
       // A row that has seen only masked keys keeps m = -inf; never form (-inf) - (-inf).
       const bool nothing_seen = m_new == -INFINITY;
       const float rescale = nothing_seen ? 1.0f : exp(m[r] - m_new);
-      weight[r] = nothing_seen ? 0.0f : exp(score - m_new);
-      l[r] = l[r] * rescale + simd_sum(weight[r]);
+      const float prob = nothing_seen ? 0.0f : exp(score - m_new);
+      l[r] = l[r] * rescale + simd_sum(prob);
       m[r] = m_new;
+      weight[r] = seen ? prob : -1.0f;
       for (int i = 0; i < DPL; ++i) o[r][i] *= rescale;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -192,12 +223,17 @@ template <typename T, int D, typename MaskT>
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
+    // Only the keys a row sees enter its accumulator (w = -1: unseen; w is the same in
+    // every lane, so the branch does not diverge). A seen key's non-finite value makes
+    // the accumulator non-finite even at weight 0: that is how it poisons the row.
     for (int k = 0; k < chunk_len; ++k) {
       float v[DPL];
       for (int i = 0; i < DPL; ++i) v[i] = float(kv_tile[k * D + lane + i * 32]);
       for (int r = 0; r < ROWS; ++r) {
         const float w = simd_broadcast(weight[r], ushort(k));
-        for (int i = 0; i < DPL; ++i) o[r][i] += w * v[i];
+        if (w >= 0.0f) {
+          for (int i = 0; i < DPL; ++i) o[r][i] += w * v[i];
+        }
       }
     }
     // The next chunk overwrites the tile.
@@ -205,12 +241,17 @@ template <typename T, int D, typename MaskT>
   }
 
   for (int r = 0; r < ROWS; ++r) {
+    // Poisoned: a lane flagged a seen key, or a seen value left the accumulator
+    // non-finite. Every lane takes part (uniform), before the row_valid test.
+    bool lane_poison = poison[r];
+    for (int i = 0; i < DPL; ++i) lane_poison = lane_poison || !isfinite(o[r][i]);
+    const bool poisoned = simd_any(lane_poison);
     if (!row_valid[r]) continue;
     const long slot = ((long(b) * p.Hq + row_head[r]) * p.T + row_node[r]) * p.n_splits + split;
     for (int i = 0; i < DPL; ++i) partial_o[slot * D + lane + i * 32] = o[r][i];
     if (lane == 0) {
-      partial_m[slot] = m[r];
-      partial_l[slot] = l[r];
+      partial_m[slot] = poisoned ? NAN : m[r];
+      partial_l[slot] = poisoned ? NAN : l[r];
     }
   }
 }
@@ -222,7 +263,9 @@ template <typename T, int D, typename MaskT>
 // [B, Hq, T]; simdgroup k owns one row, lane s owns split s (for the max and the sum)
 // and head dims s, s + 32, ... (for the output).
 // Traffic: every partial is read once; out and lse are written once. Splits are merged
-// in a fixed order, so results are deterministic.
+// in a fixed order, so results are deterministic. A split whose m is NaN is poisoned
+// (see the main pass): the row's output is NaN in every element and its lse NaN, whatever
+// the other splits hold.
 // ---------------------------------------------------------------------------------------
 template <typename T, int D>
 [[kernel]] void tree_attn_reduce(
@@ -244,6 +287,7 @@ template <typename T, int D>
   const bool my_split = int(lane) < n_splits;
   const float m_split = my_split ? partial_m[row * n_splits + lane] : -INFINITY;
   const float l_split = my_split ? partial_l[row * n_splits + lane] : 0.0f;
+  const bool poisoned = simd_any(isnan(m_split));
   const float m_all = simd_max(m_split);
   // Splits that saw nothing (m = -inf) weigh 0; if no split saw anything, all weigh 0.
   const float w_split = m_split == -INFINITY ? 0.0f : exp(m_split - m_all);
@@ -256,9 +300,11 @@ template <typename T, int D>
     const long base = (row * n_splits + s) * D;
     for (int i = 0; i < DPL; ++i) acc[i] += w * partial_o[base + lane + i * 32];
   }
+  // A poisoned row reads its partials like any other (the traffic model counts them all)
+  // and discards them.
   const float inv_l = l_all > 0.0f ? 1.0f / l_all : 0.0f;
-  for (int i = 0; i < DPL; ++i) out[row * D + lane + i * 32] = T(acc[i] * inv_l);
-  if (lane == 0) lse[row] = l_all > 0.0f ? m_all + log(l_all) : -INFINITY;
+  for (int i = 0; i < DPL; ++i) out[row * D + lane + i * 32] = T(poisoned ? NAN : acc[i] * inv_l);
+  if (lane == 0) lse[row] = poisoned ? NAN : l_all > 0.0f ? m_all + log(l_all) : -INFINITY;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ def inject_nonfinite(inputs: dict, kind: str, seed: int = 0) -> bool:
         mask[tuple(index)] = bad
         return True
     # Window keys, per (batch row, kv head): how many of its G * T rows see each column.
-    per_head = seen.view(B, Hkv, G * T, M).sum(dim=2)
+    per_head = seen.reshape(B, Hkv, G * T, M).sum(dim=2)
     want_masked = kind.startswith("masked")
     spots = [(b, h, col) for b in range(B) for h in range(Hkv) for col in range(M)
              if (per_head[b, h, col] == 0) == want_masked and (want_masked or per_head[b, h, col] < G * T)]

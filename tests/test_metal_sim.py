@@ -15,7 +15,8 @@ import torch
 
 import torch_tree_attn  # noqa: F401  (registers the ops)
 import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
-from tests.cases import Case, check_against_reference, make_inputs, parity_matrix
+from tests.cases import (Case, check_against_reference, inject_nonfinite, make_inputs, nonfinite_cases,
+                         parity_matrix)
 from torch_tree_attn.reference import tree_attention_reference
 
 ops = torch.ops.tree_attn_sim
@@ -156,6 +157,90 @@ def test_unused_slots_hold_nan_and_the_last_chunk_is_partial():
             inputs[name][b, :, end:] = float("nan")
     out, lse = sim(inputs)
     check_against_reference(out, lse, inputs)
+
+
+# ---------------------------------------------------------------------------------------
+# Non-finite values (README, "Non-finite values"): NaN exactly in the rows that see one.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case, kind", nonfinite_cases(), ids=lambda x: str(x))
+def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind):
+    inputs = make_inputs(case)
+    assert inject_nonfinite(inputs, kind, case.seed), f"{kind} has no place in {case}"
+    out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+    ref_out, _ = tree_attention_reference(**inputs)
+    poisoned = torch.isnan(ref_out).any(dim=-1)
+    if kind.startswith("masked"):
+        assert not poisoned.any(), "a key no row sees must not poison anything"
+    else:
+        assert poisoned.any() and not poisoned.all() or kind.startswith(("prefix", "query")), \
+            "the injection must poison some rows and spare others"
+
+
+def _split_of(plan, key):
+    return key // plan["split_keys"]
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_nonfinite_key_in_one_split_poisons_only_the_rows_that_see_it(mask_kind):
+    """Key splits: each bad value lies in one split, so a poisoned row merges one poisoned
+    partial with clean ones, and rows spared by the mask merge only clean partials. NaN and
+    inf also sit in keys no row sees and in keys only some rows see, in other splits."""
+    B, Hq, Hkv, T, S, D = 2, 4, 2, 6, 1200, 64
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    seen = torch.rand(B, Hq, T, S, generator=gen) < 0.7
+    inputs = dict(query=q, key=k, value=v, mask=seen, mask_offset=None, scale=None, softcap=None)
+    plan = plan_of(inputs)
+    assert plan["n_splits"] >= 4, plan
+    # (batch row, kv head, key, tensor, value, who sees it); the keys lie in distinct splits.
+    spots = [(0, 0, 40, k, math.nan, "some"), (0, 1, 700, v, math.inf, "some"),
+             (1, 1, 1150, k, -math.inf, "some"), (1, 0, 333, v, math.nan, "none"),
+             (0, 0, 1000, v, math.nan, "none"), (1, 1, 520, k, math.inf, "none")]
+    assert len({_split_of(plan, key) for _, _, key, *_ in spots}) == len(spots)
+    G = Hq // Hkv
+    for b, h, key, tensor, bad, who in spots:
+        tensor[b, h, key, 5] = bad
+        heads = slice(h * G, (h + 1) * G)
+        if who == "none":
+            seen[b, heads, :, key] = False
+        else:
+            seen[b, heads, :, key] = torch.rand(G, T, generator=gen) < 0.5
+            seen[b, h * G, 0, key], seen[b, h * G, 1, key] = True, False
+    if mask_kind == "float":
+        bias = torch.randn(seen.shape, generator=gen) * 0.5
+        inputs["mask"] = torch.where(seen, bias, torch.tensor(-math.inf))
+    out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+    poisoned = torch.isnan(lse)
+    assert poisoned.any() and not poisoned.all()
+    assert not poisoned[1, 0:G].any(), "kv head 0 of batch row 1 sees no bad value"
+
+
+def test_nonfinite_value_poisons_a_row_that_sees_its_key_at_weight_zero():
+    """A seen key whose probability underflows to 0 still poisons the row through a
+    non-finite value (0 * NaN): seen means the bias is not -inf, not that the weight is
+    positive. A NaN query poisons nothing in a row that sees no key."""
+    B, Hq, T, S, D = 1, 2, 4, 70, 64
+    gen = torch.Generator().manual_seed(41)
+    q, k, v = torch.randn(B, Hq, T, D, generator=gen), torch.randn(B, 1, S, D, generator=gen), \
+        torch.randn(B, 1, S, D, generator=gen)
+    bias = torch.randn(B, Hq, T, S, generator=gen)
+    bias[..., 50] = -1e30                # seen, weight exactly 0 in float32
+    bias[:, 1, :, 50] = -math.inf        # ... by query head 0 only
+    v[0, 0, 50, 7] = math.nan
+    bias[:, :, 3] = -math.inf            # node 3 sees nothing ...
+    q[0, :, 3, 0] = math.nan             # ... so its NaN query is harmless
+    k[0, 0, 60:] = math.inf              # keys nobody sees
+    v[0, 0, 60:] = math.nan
+    bias[..., 60:] = -math.inf
+    inputs = dict(query=q, key=k, value=v, mask=bias, mask_offset=None, scale=None, softcap=None)
+    out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+    assert torch.isnan(lse[0, 0, :3]).all() and not torch.isnan(lse[0, 1]).any()
+    assert torch.isneginf(lse[0, :, 3]).all() and (out[0, :, 3] == 0).all()
 
 
 # ---------------------------------------------------------------------------------------
