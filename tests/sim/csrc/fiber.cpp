@@ -2,8 +2,22 @@
 // (AAPCS64), ucontext everywhere else.
 #include "fiber.h"
 
+#include <pthread.h>
+
 #include <cstdint>
 #include <cstring>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define TREE_ATTN_SIM_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TREE_ATTN_SIM_ASAN 1
+#endif
+#endif
+#if TREE_ATTN_SIM_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 // Define TREE_ATTN_SIM_FIBER_UCONTEXT to use the portable fallback everywhere (for testing it).
 #if defined(__x86_64__) && !defined(_WIN32) && !defined(TREE_ATTN_SIM_FIBER_UCONTEXT)
@@ -17,6 +31,8 @@
 #endif
 
 namespace tree_attn::sim::detail {
+
+// Each architecture defines raw_prepare (the initial frame) and raw_switch (the switch).
 
 #if TREE_ATTN_SIM_FIBER_X86_64
 
@@ -75,7 +91,7 @@ tree_attn_sim_fiber_start:
     .size tree_attn_sim_fiber_start, .-tree_attn_sim_fiber_start
 )");
 
-void* fiber_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
+void* raw_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
   const uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15);
   // After the final `ret` the stack pointer is top - 16: 16-byte aligned before fiber_start's
   // call, as the ABI requires.
@@ -93,7 +109,7 @@ void* fiber_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
   return frame;
 }
 
-void fiber_switch(void** save, void* next) { tree_attn_sim_fiber_switch(save, next); }
+void raw_switch(void** save, void* next) { tree_attn_sim_fiber_switch(save, next); }
 
 #elif TREE_ATTN_SIM_FIBER_AARCH64
 
@@ -153,7 +169,7 @@ tree_attn_sim_fiber_start:
     .size tree_attn_sim_fiber_start, .-tree_attn_sim_fiber_start
 )");
 
-void* fiber_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
+void* raw_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
   const uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15);
   auto* frame = reinterpret_cast<uint64_t*>(top - 160);
   std::memset(frame, 0, 160);
@@ -166,7 +182,7 @@ void* fiber_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
   return frame;
 }
 
-void fiber_switch(void** save, void* next) { tree_attn_sim_fiber_switch(save, next); }
+void raw_switch(void** save, void* next) { tree_attn_sim_fiber_switch(save, next); }
 
 #else
 
@@ -183,7 +199,7 @@ void ucontext_start(unsigned hi, unsigned lo) {
 thread_local ucontext_t* tls_scheduler_context = nullptr;
 }  // namespace
 
-void* fiber_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
+void* raw_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
   uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size - sizeof(ucontext_t) - sizeof(StartArgs)) & ~uintptr_t(63);
   auto* ctx = reinterpret_cast<ucontext_t*>(top);
   auto* start = reinterpret_cast<StartArgs*>(top + sizeof(ucontext_t));
@@ -197,7 +213,7 @@ void* fiber_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
   return ctx;
 }
 
-void fiber_switch(void** save, void* next) {
+void raw_switch(void** save, void* next) {
   // The side that saves into a caller-provided slot needs somewhere to keep its ucontext: the
   // scheduler (whose slot is not inside a fiber stack) uses a thread-local one.
   if (*save == nullptr) {
@@ -208,5 +224,52 @@ void fiber_switch(void** save, void* next) {
 }
 
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// What every build shares: the sanitizer bookkeeping around the architecture's raw switch.
+
+StackBounds thread_stack() {
+  thread_local const StackBounds bounds = [] {
+    StackBounds b;
+    pthread_attr_t attr;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+      void* addr = nullptr;
+      size_t size = 0;
+      if (pthread_attr_getstack(&attr, &addr, &size) == 0) b = StackBounds{addr, size};
+      pthread_attr_destroy(&attr);
+    }
+    return b;
+  }();
+  return bounds;
+}
+
+void* fiber_prepare(void* stack, size_t size, FiberFn fn, void* arg) {
+#if TREE_ATTN_SIM_ASAN
+  // A fiber ends by switching away for good, so its frames never return and leave their
+  // redzones poisoned: a new fiber on the same stack must start from clean shadow memory.
+  __asan_unpoison_memory_region(stack, size);
+#endif
+  return raw_prepare(stack, size, fn, arg);
+}
+
+void fiber_switch(void** save, void* next, StackBounds next_stack) {
+#if TREE_ATTN_SIM_ASAN
+  // This context's fake stack (use-after-return detection) stays in this frame while it is
+  // switched out; the frame is resumed when the context is.
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(&fake_stack, next_stack.bottom, next_stack.size);
+  raw_switch(save, next);
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#else
+  (void)next_stack;
+  raw_switch(save, next);
+#endif
+}
+
+void fiber_started() {
+#if TREE_ATTN_SIM_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
+}
 
 }  // namespace tree_attn::sim::detail

@@ -14,7 +14,22 @@ using FiberFn = void (*)(void*);
 // Returns the context's saved stack pointer.
 void* fiber_prepare(void* stack, size_t size, FiberFn fn, void* arg);
 
-// Saves the current context into *save and resumes the context `next`.
-void fiber_switch(void** save, void* next);
+// The stack a context runs on. AddressSanitizer must be told of every switch between
+// stacks, or it mistakes fiber frames for the thread's and reports (or aborts on) phantom
+// errors when an exception unwinds; other builds ignore it.
+struct StackBounds {
+  const void* bottom = nullptr;
+  size_t size = 0;
+};
+
+// The calling OS thread's own stack (the scheduler's), computed once per thread.
+StackBounds thread_stack();
+
+// Saves the current context into *save and resumes the context `next`, which runs on
+// `next_stack`.
+void fiber_switch(void** save, void* next, StackBounds next_stack);
+
+// A new context's first call, before anything else: completes the switch that started it.
+void fiber_started();
 
 }  // namespace tree_attn::sim::detail

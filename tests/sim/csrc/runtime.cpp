@@ -155,6 +155,7 @@ struct Worker {
   ThreadCtx threads[kMaxThreadsPerThreadgroup];
   SimdGroup simd[kMaxThreadsPerThreadgroup / kSimdWidth];
   std::vector<std::unique_ptr<Stack>> stacks;
+  StackBounds fiber_stacks[kMaxThreadsPerThreadgroup];  // the part of stacks[i] thread i runs on
   size_t stack_size = 0;
   void* scheduler_sp = nullptr;
 
@@ -228,13 +229,14 @@ void yield(ThreadCtx* t) {
   if (!w->fault) {
     if (ThreadCtx* next = w->next_ready(t->index + 1)) {
       tls_thread = next;
-      fiber_switch(&t->fiber_sp, next->fiber_sp);
+      fiber_switch(&t->fiber_sp, next->fiber_sp, w->fiber_stacks[next->index]);
       return;  // whoever resumed this fiber set tls_thread to it
     }
   }
-  fiber_switch(&t->fiber_sp, w->scheduler_sp);
+  fiber_switch(&t->fiber_sp, w->scheduler_sp, thread_stack());
 }
 void fiber_entry(void* arg) {
+  fiber_started();
   auto* t = static_cast<ThreadCtx*>(arg);
   Worker* w = t->worker;
   try {
@@ -316,6 +318,7 @@ void Worker::run_threadgroup(uint64_t linear) {
     // Stack tops are page-aligned; staggering them keeps the fibers' hot frames out of the
     // same cache sets.
     const size_t stagger = (i * 37 % 64) * 64;
+    fiber_stacks[i] = StackBounds{stacks[i]->base(), stacks[i]->size() - stagger};
     t.fiber_sp = fiber_prepare(stacks[i]->base(), stacks[i]->size() - stagger, &fiber_entry, &t);
   }
 
@@ -324,7 +327,7 @@ void Worker::run_threadgroup(uint64_t linear) {
     ThreadCtx* next = next_ready(0);
     if (next) {
       tls_thread = next;
-      fiber_switch(&scheduler_sp, next->fiber_sp);
+      fiber_switch(&scheduler_sp, next->fiber_sp, fiber_stacks[next->index]);
       tls_thread = nullptr;
     }
     if (fault) {
