@@ -28,6 +28,7 @@ from transformers import (
 )
 
 import torch_tree_attn.hf as hf
+from torch_tree_attn._hf_compat import cache_kwargs, crop, records_its_length
 
 hf.register()
 
@@ -185,11 +186,12 @@ def prefill(model, impl, cache, prompt, padding=None):
     model.set_attn_implementation(impl)
     if padding is None:
         with torch.no_grad():
-            model(prompt, cache=cache, use_cache=True)
+            model(prompt, use_cache=True, **cache_kwargs(model, cache))
         return
     position_ids = (padding.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        model(prompt, attention_mask=padding.long(), position_ids=position_ids, cache=cache, use_cache=True)
+        model(prompt, attention_mask=padding.long(), position_ids=position_ids, use_cache=True,
+              **cache_kwargs(model, cache))
 
 
 def tree_inputs(batch, slot, padding=None, seed=0, tree_len=8):
@@ -240,11 +242,14 @@ def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
     cache = make_cache(cache_kind, model, max_cache_len)
     prefill(model, "tree_attn", cache, prompt, padding)
     if cache_kind == "static" and padding is None:
-        # The compact form never reads slots past the tree: poison them.
+        # The compact form never reads slots past the tree: poison them. (Poisoned values
+        # are enough to show a read: a masked-out slot still multiplies its value by 0. A
+        # static layer that keeps no length counts its non-zero key slots as written.)
         for layer in cache.layers:
             if not layer.is_sliding:
-                layer.keys[:, :, slot + tree_len:] = math.nan
                 layer.values[:, :, slot + tree_len:] = math.nan
+                if records_its_length(layer):
+                    layer.keys[:, :, slot + tree_len:] = math.nan
     kwargs = {} if padding is None else {"attention_mask": padding.long()}
     with torch.no_grad():
         out = hf.tree_forward(model, tokens, parents, slot, cache, **kwargs).logits
@@ -255,7 +260,8 @@ def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
         prefill(model, impl, ref_cache, prompt, padding)
         masks = reference_masks(model, anc, slot, cache_kind, max_cache_len, padding)
         with torch.no_grad():
-            ref = model(tokens, position_ids=position_ids, attention_mask=masks, cache=ref_cache).logits
+            ref_kwargs = dict(position_ids=position_ids, attention_mask=masks, **cache_kwargs(model, ref_cache))
+            ref = model(tokens, **ref_kwargs).logits
         assert_logits_close(out, ref)
         if cache_kind == "dynamic":
             # The tree's K/V went to the same cache slots as the reference's (the last ones).
@@ -282,7 +288,7 @@ def test_tree_verify_direct_model_call_with_per_row_prefix_tensor():
             else dict(attention_mask=reference_bias(anc, slot, slot + tokens.shape[1]))
         )
         with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # transformers 5.24 prefers cache=
+            warnings.simplefilter("ignore", FutureWarning)  # transformers >= 5.24 prefers cache=
             results[impl] = model(input_ids=tokens, position_ids=position_ids, past_key_values=cache, **extra).logits
     model.set_attn_implementation("tree_attn")
     assert_logits_close(results["tree_attn"], results["eager"])
@@ -311,7 +317,7 @@ def test_tree_mode_intersects_a_user_dense_mask():
         cache = DynamicCache(config=model.config)
         prefill(model, impl, cache, prompt)
         with torch.no_grad():
-            results[name] = model(tokens, position_ids=position_ids, cache=cache, **extra).logits
+            results[name] = model(tokens, position_ids=position_ids, **cache_kwargs(model, cache), **extra).logits
     model.set_attn_implementation("tree_attn")
     assert_logits_close(results["with user mask"], results["eager"])
     # Only the row whose keys the user mask hides changes.
@@ -374,8 +380,8 @@ def test_ordinary_decoding_without_padding_uses_compact_causal_masks(monkeypatch
     monkeypatch.setattr(masking_utils, "sdpa_mask", no_dense_masks)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt, cache=cache)
-        model(torch.tensor([[5], [6]]), cache=cache)
+        model(prompt, **cache_kwargs(model, cache))
+        model(torch.tensor([[5], [6]]), **cache_kwargs(model, cache))
     layers = model.config.num_hidden_layers
     assert calls == [((1, 1, 6, 6), [0, 0])] * layers + [((1, 1, 1, 1), [6, 6])] * layers
 
@@ -390,7 +396,7 @@ def test_tree_mode_rejects_bad_tree_arguments():
         cache = DynamicCache(config=model.config)
         prefill(model, "tree_attn", cache, prompt)
         with torch.no_grad():
-            model(tokens, cache=cache, **tree_args)
+            model(tokens, **cache_kwargs(model, cache), **tree_args)
 
     with pytest.raises(ValueError, match=r"tree_mask must have shape \[B=1 or 1, T=3, T=3\]"):
         call(tree_mask=torch.ones(1, 4, 4, dtype=torch.bool), tree_prefix_lens=torch.tensor([5]))
@@ -490,16 +496,16 @@ def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile():
             inputs = dict(
                 input_ids=tokens,
                 position_ids=prefix_len + anc.sum(-1) - 1,
-                cache=cache,
+                **cache_kwargs(model, cache),
                 tree_mask=anc,
                 tree_prefix_lens=torch.tensor([prefix_len]),
             )
             expected = model(**inputs).logits
-            cache.crop(-tree_len)
+            crop(cache, tree_len)
             actual = compiled(**inputs).logits
             assert_logits_close(actual, expected)
             # Keep `accepted` tree slots as if they were the accepted path.
-            cache.crop(-(tree_len - accepted))
+            crop(cache, tree_len - accepted)
             prefix_len += accepted
             assert int(cache.get_seq_length()) == prefix_len
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

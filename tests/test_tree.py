@@ -14,6 +14,7 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torch_tree_attn._hf_compat import cache_kwargs
 from torch_tree_attn.tree import (
     DraftTree,
     ancestor_mask,
@@ -602,19 +603,20 @@ def test_compacted_cache_continues_like_sequential_decoding(tiny_llama, kind, at
     parents = torch.tensor([-1, 0, 0, 1, 2, 3, 2, 5])
     tokens = torch.randint(0, 64, (8,), generator=g)
     cache = make_cache(kind, model)
-    model(input_ids=prefix, cache=cache, use_cache=True)
+    model(input_ids=prefix, use_cache=True, **cache_kwargs(model, cache))
     kv_len = prefix_len + len(parents) if kind == "dynamic" else 40
     model(input_ids=tokens[None], position_ids=position_ids(parents, prefix_len),
-          attention_mask=additive(dense_tree_mask(parents, prefix_len, kv_len)), cache=cache, use_cache=True)
+          attention_mask=additive(dense_tree_mask(parents, prefix_len, kv_len)), use_cache=True,
+          **cache_kwargs(model, cache))
 
     accepted = torch.tensor(accepted)
     new_len = compact_kv_cache(cache, prefix_len, accepted)
     assert new_len == prefix_len + len(accepted) == int(cache.get_seq_length())
     # Two more steps on the compacted cache, one token each, then two at once.
     follow = torch.randint(0, 64, (4,), generator=g)
-    got = [model(input_ids=follow[None, :1], cache=cache, use_cache=True).logits[0, -1],
-           model(input_ids=follow[None, 1:2], cache=cache, use_cache=True).logits[0, -1]]
-    got.append(model(input_ids=follow[None, 2:], cache=cache, use_cache=True).logits[0])
+    got = [model(input_ids=follow[None, :1], use_cache=True, **cache_kwargs(model, cache)).logits[0, -1],
+           model(input_ids=follow[None, 1:2], use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]]
+    got.append(model(input_ids=follow[None, 2:], use_cache=True, **cache_kwargs(model, cache)).logits[0])
     assert int(cache.get_seq_length()) == new_len + 4
 
     sequence = torch.cat([prefix[0], tokens[accepted], follow])[None]
@@ -633,14 +635,14 @@ def test_compaction_with_one_path_per_batch_row(tiny_llama):
     parents = torch.tensor([-1, 0, 0, 1, 2])
     tokens = torch.randint(0, 64, (2, 5), generator=g)
     cache = make_cache("dynamic", model)
-    model(input_ids=prefix, cache=cache, use_cache=True)
+    model(input_ids=prefix, use_cache=True, **cache_kwargs(model, cache))
     model(input_ids=tokens, position_ids=position_ids(parents, prefix_len).expand(2, -1),
           attention_mask=additive(dense_tree_mask(parents, prefix_len)).expand(2, -1, -1, -1),
-          cache=cache, use_cache=True)
+          use_cache=True, **cache_kwargs(model, cache))
     accepted = torch.tensor([[0, 1, 3], [0, 2, 4]])
     assert compact_kv_cache(cache, prefix_len, accepted) == prefix_len + 3
     follow = torch.randint(0, 64, (2, 1), generator=g)
-    got = model(input_ids=follow, cache=cache, use_cache=True).logits[:, -1]
+    got = model(input_ids=follow, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
     for b in range(2):
         sequence = torch.cat([prefix[b], tokens[b, accepted[b]], follow[b]])[None]
         torch.testing.assert_close(got[b], model(input_ids=sequence).logits[0, -1], atol=1e-5, rtol=1e-5)
@@ -669,7 +671,7 @@ def test_compaction_of_sliding_window_layers_before_they_slide(tiny_sliding_qwen
     tokens = torch.randint(0, 64, (8,), generator=g)
     cache = make_cache(kind, model, capacity=32)  # the sliding layer keeps 16 of them
     assert "SlidingWindow" in type(cache.layers[1]).__name__
-    model(input_ids=prefix, cache=cache, use_cache=True)
+    model(input_ids=prefix, use_cache=True, **cache_kwargs(model, cache))
     # One mask per layer type, as wide as that layer's keys.
     full_len, sliding_len = (prefix_len + 8, prefix_len + 8) if kind == "dynamic" else (32, 16)
     masks = {
@@ -677,16 +679,16 @@ def test_compaction_of_sliding_window_layers_before_they_slide(tiny_sliding_qwen
         "sliding_attention": additive(dense_tree_mask(parents, prefix_len, sliding_len)),
     }
     model(input_ids=tokens[None], position_ids=position_ids(parents, prefix_len),
-          attention_mask=masks, cache=cache, use_cache=True)
+          attention_mask=masks, use_cache=True, **cache_kwargs(model, cache))
     accepted = torch.tensor([0, 2, 6])
     assert compact_kv_cache(cache, prefix_len, accepted) == prefix_len + 3 == int(cache.get_seq_length())
     follow = torch.randint(0, 64, (1, 3), generator=g)
-    got = model(input_ids=follow, cache=cache, use_cache=True).logits[0]
+    got = model(input_ids=follow, use_cache=True, **cache_kwargs(model, cache)).logits[0]
     reference = model(input_ids=torch.cat([prefix[0], tokens[accepted], follow[0]])[None]).logits[0, -3:]
     torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
     # Once the window has slid, the keys compaction would move are gone: refuse.
-    model(input_ids=torch.randint(0, 64, (1, 12), generator=g), cache=cache, use_cache=True)
+    model(input_ids=torch.randint(0, 64, (1, 12), generator=g), use_cache=True, **cache_kwargs(model, cache))
     with pytest.raises(NotImplementedError, match="SlidingWindowLayer"):
         compact_kv_cache(cache, int(cache.get_seq_length()) - 2, torch.tensor([0, 1]))
 
@@ -697,7 +699,7 @@ def test_compaction_rejects_bad_arguments(tiny_llama):
     with pytest.raises(ValueError, match="no initialized layer"):
         compact_kv_cache(cache, 0, torch.tensor([0]))
     with torch.no_grad():
-        model(input_ids=torch.zeros(1, 5, dtype=torch.long), cache=cache, use_cache=True)
+        model(input_ids=torch.zeros(1, 5, dtype=torch.long), use_cache=True, **cache_kwargs(model, cache))
     with pytest.raises(ValueError, match=r"tree slots \[0, 3\)"):
         compact_kv_cache(cache, 2, torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="non-empty int tensor"):
@@ -788,16 +790,16 @@ def test_compaction_on_accelerator(tiny_llama, device, kind):
         prefix = torch.randint(0, 64, (1, prefix_len), generator=g).to(device)
         tokens = torch.randint(0, 64, (8,), generator=g).to(device)
         cache = make_cache(kind, model)
-        model(input_ids=prefix, cache=cache, use_cache=True)
+        model(input_ids=prefix, use_cache=True, **cache_kwargs(model, cache))
         kv_len = prefix_len + 8 if kind == "dynamic" else 40
         mask = additive(dense_tree_mask(parents, prefix_len, kv_len)).to(device)
         model(input_ids=tokens[None], position_ids=position_ids(parents, prefix_len).to(device),
-              attention_mask=mask, cache=cache, use_cache=True)
+              attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
         accepted = torch.tensor([0, 2, 6], device=device)
         assert compact_kv_cache(cache, prefix_len, accepted) == prefix_len + 3
         assert cache.layers[0].keys.device.type == device
         follow = torch.randint(0, 64, (1, 3), generator=g).to(device)
-        got = model(input_ids=follow, cache=cache, use_cache=True).logits[0]
+        got = model(input_ids=follow, use_cache=True, **cache_kwargs(model, cache)).logits[0]
         reference = model(input_ids=torch.cat([prefix[0], tokens[accepted], follow[0]])[None]).logits[0, -3:]
         torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
     finally:

@@ -74,20 +74,27 @@ steps reuse one graph. A Python int / list for ``tree_prefix_lens`` is accepted 
 becomes a constant of the graph (a recompile whenever it changes). Models with
 sliding-window layers (Mistral, Gemma) get transformers' ``StaticSlidingWindowLayer``,
 which tracks its length in a Python int that the graph guards on: those recompile per
-new cache length in transformers 5.24 whatever the attention, and once past the window
-the layer cannot be rolled back (``crop``) after a verify step.
+new cache length whatever the attention, and once past the window the layer cannot be
+rolled back (``crop``) after a verify step.
 
 Not supported (clear errors): attention dropout, attention sinks (``s_aux``), a float
 ``tree_mask``. ``output_attentions`` returns no weights.
 
-Tested with transformers 5.24, where model forwards take ``cache=`` (``past_key_values=``
-is a deprecated alias) and mask functions get ``q_length`` / ``q_offset``. The mask
-function also accepts the ``cache_position`` form of earlier 5.x releases, and
-:func:`tree_forward` passes the cache under whichever name the model's forward declares,
-but only 5.24 is tested. Behaviour that depends on transformers' cache layouts (sliding
-layers evicting old keys; every batch row written at the same slot) is that of 5.24.
+transformers versions
+---------------------
+Supported: transformers 5.0 to 5.25 (tested: 5.0, 5.3, 5.4, 5.10, 5.13, 5.14, 5.17, 5.20,
+5.22, 5.24, 5.25). Their cache and mask APIs differ (``cache=`` or ``past_key_values=``,
+``q_length`` / ``q_offset`` or ``cache_position``, where cache layers keep their length,
+when the causal skip is refused); :mod:`torch_tree_attn._hf_compat` detects and hides
+each difference, :func:`tree_forward` passes the cache under whichever name the model's
+forward declares. Before 5.14 transformers refuses its causal skip for every forward into
+a ``StaticCache``; there the mask function tells such a forward from a mask with overlays
+by the mask function it is given, and keeps the dense mask for the one call it cannot
+tell from a cache-less forward over packed sequences: no 2D ``attention_mask`` and as
+many keys as queries. For a tree that is a verify step at cache slot 0 on a sliding
+layer whose window is shorter than the tree: its window is then counted in cache slots,
+as transformers' own masks count it (pass a 2D ``attention_mask`` to avoid that).
 """
-import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -95,6 +102,7 @@ from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from . import _hf_compat as _compat
 from .ops import tree_attention
 from .tree import ancestor_mask
 
@@ -116,6 +124,8 @@ def register(name: str = "tree_attn") -> None:
         raise ValueError(
             f"register: name must not contain 'flash' (transformers treats it as flash attention), got {name!r}"
         )
+    # Read the installed transformers' behaviour here, outside any compiled code.
+    _compat.static_caches_refuse_causal_skip()
     AttentionInterface.register(name, tree_attention_forward)
     AttentionMaskInterface.register(name, tree_attention_mask)
 
@@ -151,30 +161,25 @@ def tree_attention_mask(
     """Mask function for ``AttentionMaskInterface``.
 
     For a causal mask (possibly with padding and a sliding window, without custom
-    overlays: transformers signals those with ``allow_is_causal_skip``) returns a causal
-    spec, int64 ``[batch_size, 1, 1, 2 + K]``, that :func:`tree_attention_forward`
-    expands only as far as the layer needs. Otherwise (custom overlays, chunked or
-    bidirectional masks, compiled single-token decoding into a static cache) returns what ``"sdpa"``
-    gets without its shortcut: a bool ``[batch_size, 1, q_length, kv_length]`` mask
-    (True = attend), or None for an unmasked bidirectional attention.
+    overlays: transformers signals those with ``allow_is_causal_skip``, see
+    :func:`torch_tree_attn._hf_compat.is_plain_causal_call` for the releases where that
+    flag says more) returns a causal spec, int64 ``[batch_size, 1, 1, 2 + K]``, that
+    :func:`tree_attention_forward` expands only as far as the layer needs. Otherwise
+    (custom overlays, chunked or bidirectional masks, compiled single-token decoding into a
+    static cache) returns what ``"sdpa"`` gets without its shortcut: a bool
+    ``[batch_size, 1, q_length, kv_length]`` mask (True = attend), or None for an unmasked
+    bidirectional attention.
     """
-    cache_position = kwargs.get("cache_position")
-    if q_length is None:
-        # Earlier transformers 5.x describe the queries by their cache positions instead.
-        if cache_position is None:
-            raise TypeError("tree_attention_mask: needs q_length (transformers >= 5.24) or cache_position")
-        q_length, q_offset = cache_position.shape[0], cache_position[0]
-        query_args = dict(cache_position=cache_position)
-        device = cache_position.device
-    else:
-        query_args = dict(q_length=q_length, q_offset=0 if q_offset is None else q_offset)
-    q_offset = 0 if q_offset is None else q_offset
+    q_length, q_offset, device, query_args = _compat.query_span(q_length, q_offset, kwargs, device)
     config = kwargs.get("config")
     # local_size is either the sliding window (which the spec carries) or another local
     # pattern such as chunked attention (which it cannot express).
     is_sliding_window = local_size is None or local_size == getattr(config, "sliding_window", None)
-    if not (allow_is_causal_skip and is_sliding_window):
-        kwargs.pop("cache_position", None)
+    is_plain_causal = _compat.is_plain_causal_call(
+        masking_utils, mask_function, local_size, allow_is_causal_skip, kwargs.get("use_vmap", False),
+        attention_mask, q_length, kv_length, kv_offset,
+    )
+    if not (is_plain_causal and is_sliding_window):
         return masking_utils.sdpa_mask(
             batch_size=batch_size,
             kv_length=kv_length,
@@ -508,9 +513,6 @@ def tree_forward(model, tokens, parents, prefix_lens, cache, **model_kwargs):
         model_kwargs["attention_mask"] = attention_mask
     model_kwargs.setdefault("position_ids", real_prefix[:, None] + depth)
     model_kwargs.setdefault("use_cache", True)
-    # transformers 5.24 names it `cache` (`past_key_values` is a deprecated alias there).
-    forward_params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
-    cache_arg = "cache" if "cache" in forward_params else "past_key_values"
-    model_kwargs[cache_arg] = cache
+    model_kwargs.update(_compat.cache_kwargs(model, cache))
     return model(input_ids=tokens, tree_mask=mask, tree_prefix_lens=prefix, **model_kwargs)
 

@@ -21,6 +21,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import _hf_compat as _compat
+
 __all__ = [
     "ancestor_mask",
     "node_depths",
@@ -700,7 +702,7 @@ def _layer_kind(layer) -> str:
     return kind
 
 
-def _compact_layer(layer, kind: str, prefix_len: int, source: torch.Tensor, new_len: int) -> None:
+def _compact_layer(layer, prefix_len: int, source: torch.Tensor, new_len: int) -> None:
     keys, values = layer.keys, layer.values
     n = source.shape[-1]
     dst = slice(prefix_len, prefix_len + n)
@@ -712,16 +714,9 @@ def _compact_layer(layer, kind: str, prefix_len: int, source: torch.Tensor, new_
             moved = cache_tensor.gather(2, source[:, None, :, None].expand(B, H, n, D))
         # `moved` is a copy, so overlapping source and destination slots are safe.
         cache_tensor[:, :, dst].copy_(moved)
-    if kind in ("DynamicLayer", "DynamicSlidingWindowLayer"):
-        layer.keys = keys[:, :, :new_len]
-        layer.values = values[:, :, :new_len]
-        if kind == "DynamicSlidingWindowLayer":
-            layer.cumulative_length = new_len
-    else:
-        # In place: the static cache's length tensor has a fixed address under torch.compile.
-        layer.cumulative_length.fill_(new_len)
-        if kind == "StaticSlidingWindowLayer":
-            layer.cumulative_length_int = new_len
+    # Where the layer records its length depends on the transformers release; a static
+    # layer's is reset in place (fixed addresses under torch.compile).
+    _compat.set_layer_length(layer, new_len)
 
 
 def compact_kv_cache(cache, prefix_len: int, accepted: Union[torch.Tensor, Sequence[int]]) -> int:
@@ -762,21 +757,21 @@ def compact_kv_cache(cache, prefix_len: int, accepted: Union[torch.Tensor, Seque
         raise ValueError("compact_kv_cache got a cache with no initialized layer (run the tree forward first)")
     kinds = [_layer_kind(layer) for layer in layers]
     for layer, kind in zip(layers, kinds):
-        if kind == "DynamicSlidingWindowLayer" and layer.keys.shape[-2] != layer.cumulative_length:
+        if kind == "DynamicSlidingWindowLayer" and layer.keys.shape[-2] != _compat.layer_length(layer):
             raise NotImplementedError(
-                f"a DynamicSlidingWindowLayer holding {layer.keys.shape[-2]} of {layer.cumulative_length} "
+                f"a DynamicSlidingWindowLayer holding {layer.keys.shape[-2]} of {_compat.layer_length(layer)} "
                 "positions has already dropped keys; compaction needs them all"
             )
-        if kind == "StaticSlidingWindowLayer" and layer.cumulative_length_int > layer.max_cache_len:
+        if kind == "StaticSlidingWindowLayer" and _compat.layer_length(layer) > layer.max_cache_len:
             raise NotImplementedError(
                 f"a StaticSlidingWindowLayer of window {layer.max_cache_len} has slid past "
-                f"({layer.cumulative_length_int} positions written); compaction needs them all"
+                f"({_compat.layer_length(layer)} positions written); compaction needs them all"
             )
         if accepted.dim() == 2 and accepted.shape[0] != layer.keys.shape[0]:
             raise ValueError(f"accepted has {accepted.shape[0]} rows but the cache batch is {layer.keys.shape[0]}")
     if not _is_compiling():
         # All layers of one cache hold the same positions; one host read checks them.
-        length = int(layers[0].get_seq_length())
+        length = _compat.layer_length(layers[0])
         low, high = torch.stack([accepted.min(), accepted.max()]).tolist()
         if low < 0 or prefix_len + high >= length:
             raise ValueError(
@@ -785,9 +780,9 @@ def compact_kv_cache(cache, prefix_len: int, accepted: Union[torch.Tensor, Seque
             )
 
     sources = {}
-    for layer, kind in zip(layers, kinds):
+    for layer in layers:
         device = layer.keys.device
         if device not in sources:
             sources[device] = accepted.to(device=device, dtype=torch.int64) + prefix_len
-        _compact_layer(layer, kind, prefix_len, sources[device], new_len)
+        _compact_layer(layer, prefix_len, sources[device], new_len)
     return new_len
