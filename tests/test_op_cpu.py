@@ -319,6 +319,22 @@ def test_scale_and_softcap_are_applied_in_contract_order():
     assert (out.double() - ref_out).abs().max() > 1e-2, "softcap had no effect"
 
 
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("softcap", [1.0, 30.0, 1e4, 1e5, 1e7])
+def test_softcap_is_accurate_at_any_cap(softcap, scale):
+    # cap * tanh(s / cap) must keep float32 relative accuracy however large the cap: an
+    # absolute error of tanh near 0 would be multiplied by the cap. Prefix and window
+    # blocks both go through the cap (and a long prefix through several key blocks).
+    inputs = tree_inputs(B=2, Hq=8, Hkv=2, T=16, prefix=(700, 30), D=64, S=720)
+    inputs.update(softcap=softcap, scale=scale)
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+    # The scores themselves, through lse, at float32 accuracy.
+    _, ref_lse = tree_attention_reference(**inputs)
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[seen], ref_lse[seen], atol=2e-5, rtol=2e-5)
+
+
 def test_non_contiguous_query_and_output_layout():
     inputs = tree_inputs(B=2, Hq=4, Hkv=2, T=5, prefix=(10, 30), D=64)
     q = inputs["query"].transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, Hq, D] storage
