@@ -319,6 +319,22 @@ def test_scale_and_softcap_are_applied_in_contract_order():
     assert (out.double() - ref_out).abs().max() > 1e-2, "softcap had no effect"
 
 
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("softcap", [1.0, 30.0, 1e4, 1e5, 1e7])
+def test_softcap_is_accurate_at_any_cap(softcap, scale):
+    # cap * tanh(s / cap) must keep float32 relative accuracy however large the cap: an
+    # absolute error of tanh near 0 would be multiplied by the cap. Prefix and window
+    # blocks both go through the cap (and a long prefix through several key blocks).
+    inputs = tree_inputs(B=2, Hq=8, Hkv=2, T=16, prefix=(700, 30), D=64, S=720)
+    inputs.update(softcap=softcap, scale=scale)
+    out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+    # The scores themselves, through lse, at float32 accuracy.
+    _, ref_lse = tree_attention_reference(**inputs)
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[seen], ref_lse[seen], atol=2e-5, rtol=2e-5)
+
+
 def test_non_contiguous_query_and_output_layout():
     inputs = tree_inputs(B=2, Hq=4, Hkv=2, T=5, prefix=(10, 30), D=64)
     q = inputs["query"].transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, Hq, D] storage
@@ -516,3 +532,50 @@ def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind):
     else:
         assert poisoned.any() and not poisoned.all() or kind.startswith(("prefix", "query")), \
             "the injection must poison some rows and spare others"
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float16 cannot overflow a score
+def test_score_overflow_poisons_exactly_its_rows(dtype, softcap, threads):
+    # Finite inputs whose raw score overflows float32, to +inf and to -inf: in a prefix key
+    # (the hot path, where -inf must not pass for a masked key, and key splits with 3
+    # threads) and in a window key that some rows of a head see and others do not.
+    # softcap must not hide it.
+    inputs = tree_inputs(B=1, Hq=4, Hkv=1, T=6, prefix=(1200,), D=64, dtype=dtype, S=1206, seed=11)
+    q, k = inputs["query"], inputs["key"]
+    q.mul_(1e-3)
+    k[0, 0, 700, :32] = 2e38   # a prefix key in the second block: first half of the dims
+    k[0, 0, 1203, 32:] = 2e38  # window key 3: second half
+    q[0, 0, 1, :32] = 1.0      # scale * q.k = +8e38 with key 700
+    q[0, 1, 2, :32] = -1.0     # -8e38 with key 700
+    q[0, 2, :, 32:] = -1.0     # -8e38 with key 1203, in the rows of head 2 that see it
+    inputs.update(softcap=softcap)
+    with num_threads(threads):
+        out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)
+    poisoned = torch.isnan(lse[0])
+    assert poisoned[0, 1] and poisoned[1, 2]
+    assert poisoned[2].any() and not poisoned[2].all(), "the window key must poison only the rows that see it"
+
+
+def _set_element(t, flat_index, value):
+    t[tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index % t.numel()), t.shape))] = value
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(),
+       st.lists(st.tuples(st.sampled_from(["query", "key", "value", "mask"]), st.integers(0, 2**31 - 1),
+                          st.sampled_from([NAN, math.inf, -math.inf])), min_size=1, max_size=3),
+       st.sampled_from([1, 2, 3]))
+def test_random_nonfinite_values_match_reference(pr, spots, threads):
+    # NaN / +-inf anywhere (query, key, value, float mask; used slots or not), any shape,
+    # layout, mask kind and thread count: NaN exactly in the rows that see one.
+    inputs = build(pr)
+    for name, where, value in spots:
+        t = inputs[name]
+        if t.numel() and t.dtype != torch.bool:
+            _set_element(t, where, value)
+    with num_threads(threads):
+        out, lse = ops.forward_with_lse(**inputs)
+    check_against_reference(out, lse, inputs)

@@ -25,6 +25,24 @@
 // [off_b, off_b + M) follow the mask; nothing at or beyond off_b + M is read. Only key
 // blocks that overlap the window can be fully masked, so only those are checked and
 // skipped, and only those pay for the mask.
+//
+// Non-finite values (README, "Non-finite values"). A row whose query, seen keys, seen
+// values or seen biases hold a NaN or inf, or whose raw score overflows, is poisoned:
+// output and lse NaN. In the softmax state l = NaN marks it; that survives every later
+// block and the split merge, and write_rows turns it into the NaN row.
+// - Scores. vexp keeps NaN, and a +inf score makes m = +inf and then exp(inf - inf) NaN,
+//   so both reach l unaided. Prefix blocks without softcap (the hot path) hand the raw
+//   Q K^T to the softmax; every row sees all of such a block, so the only added work is
+//   the block minimum against -inf. Other blocks are finished first (finish_scores): a
+//   score that is not finite before the softcap becomes NaN.
+// - Masks select: a window entry a row does not see becomes -inf whatever its score holds
+//   (NaN from a non-finite query or key included); a seen NaN or +inf bias is added and
+//   poisons through the softmax.
+// - Values. A non-finite V row of a prefix key reaches O through P V in every row (which
+//   all see it; 0 * NaN and 0 * inf are NaN too), and write_rows poisons a row whose O is
+//   not finite. In blocks overlapping the window the window keys' V rows (about T) are
+//   scanned; a bad one makes the score NaN in the rows that see it, and P V reads a copy
+//   of the block with that row zeroed, so the rows that do not see it are untouched.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -52,6 +70,7 @@ namespace tree_attn {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // ---------------------------------------------------------------------------------------
 // SIMD: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or NEON by the compiler.
@@ -69,6 +88,7 @@ inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 static_assert(kLanes == 16, "splat lists every lane");
 inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+inline Vec vmin(Vec a, Vec b) { return a < b ? a : b; }
 
 template <typename To, typename From>
 inline To bit_cast(const From& from) {
@@ -79,9 +99,10 @@ inline To bit_cast(const From& from) {
 }
 
 // exp(x) with ~2 ulp error; exactly 0 below -87 (and for -inf), so masked scores add
-// nothing. Range reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for e^r.
+// nothing; NaN stays NaN, so a poisoned score reaches its row's sum. Range reduction
+// x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for e^r.
 inline Vec vexp(Vec x) {
-  const IVec keep = x > -87.0f;
+  const IVec keep = ~(x < -87.0f);  // true for NaN
   x = x < -87.0f ? splat(-87.0f) : x;
   x = x > 88.0f ? splat(88.0f) : x;
   const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -98,13 +119,57 @@ inline Vec vexp(Vec x) {
   return bit_cast<Vec>(bit_cast<IVec>(p * pow2n) & keep);
 }
 
-// tanh(y) = sign(y) (1 - e^{-2|y|}) / (1 + e^{-2|y|}); absolute error ~1e-7, which the
-// softcap multiplies by `cap`, far below float32 attention tolerances.
+// tanh(y) to ~2 ulp relative error for every y (measured against long double tanh). The
+// softcap multiplies tanh by the cap, so the error must be relative near 0, where
+// 1 - e^{-2|y|} cancels: there (|y| < 0.625) tanh(y) = y + y u P(u), u = y^2, with P a
+// degree-4 minimax fit (relative error 4.4e-9 before float32 rounding); beyond it
+// sign(y) (1 - e^{-2|y|}) / (1 + e^{-2|y|}), where e^{-2|y|} < 0.29.
 inline Vec vtanh(Vec y) {
   const Vec a = y < 0.0f ? -y : y;
   const Vec e = vexp(-2.0f * a);
   const Vec t = (1.0f - e) / (1.0f + e);
-  return y < 0.0f ? -t : t;
+  const Vec u = y * y;
+  Vec p = splat(-5.704991985e-3f);
+  p = p * u + 2.063909359e-2f;
+  p = p * u + -5.373971909e-2f;
+  p = p * u + 1.333144158e-1f;
+  p = p * u + -3.333328068e-1f;
+  const Vec odd = y + y * (u * p);
+  return a < 0.625f ? odd : (y < 0.0f ? -t : t);
+}
+
+// Whether x[0, n) holds no NaN or +-inf: a value is not finite exactly when all its
+// exponent bits are set. Read as integers, so it works on every storage dtype.
+template <typename T>
+struct ExponentBits;
+template <>
+struct ExponentBits<float> {
+  using Int = uint32_t;
+  static constexpr Int kMask = 0x7f800000u;
+};
+template <>
+struct ExponentBits<at::Half> {
+  using Int = uint16_t;
+  static constexpr Int kMask = 0x7c00u;
+};
+template <>
+struct ExponentBits<at::BFloat16> {
+  using Int = uint16_t;
+  static constexpr Int kMask = 0x7f80u;
+};
+
+template <typename T>
+bool all_finite(const T* x, int64_t n) {
+  using Int = typename ExponentBits<T>::Int;
+  constexpr Int kMask = ExponentBits<T>::kMask;
+  static_assert(sizeof(Int) == sizeof(T));
+  Int bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Int bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    bad |= Int((bits & kMask) == kMask);
+  }
+  return bad == 0;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -349,10 +414,13 @@ struct Scratch {
   uint16_t* pp;     // ... and P pairs pp[j/2][r][2]
   float* alpha;     // rp: rescale factors of one block
   int64_t* mrow;    // rp: mask element offset of each row's (b, query head, tree row)
+  void* clean_v;    // key_block x D elements: a V block with its non-finite window rows zeroed
+  bool* bad_value;  // key_block: which window keys of a block have a non-finite V row
   float* own;       // a State for unsplit items
   static int64_t floats(const Plan& plan, int64_t D) {
     return D * plan.rp + plan.key_block * plan.rp + plan.key_block * D + plan.key_block * plan.rp / 2 + plan.rp +
-           2 * plan.rp /* mrow, int64 */ + State::floats(plan, D);
+           2 * plan.rp /* mrow, int64 */ + plan.key_block * D /* clean_v, at most float */ +
+           (plan.key_block + 3) / 4 /* bad_value */ + State::floats(plan, D);
   }
   static Scratch carve(float* base, const Plan& plan, int64_t D) {
     Scratch s;
@@ -363,7 +431,10 @@ struct Scratch {
     s.pp = s.vp + plan.key_block * D;
     s.alpha = s.kv + plan.key_block * D + plan.key_block * plan.rp / 2;
     s.mrow = reinterpret_cast<int64_t*>(s.alpha + plan.rp);
-    s.own = reinterpret_cast<float*>(s.mrow + plan.rp);
+    float* clean_v = reinterpret_cast<float*>(s.mrow + plan.rp);
+    s.clean_v = clean_v;
+    s.bad_value = reinterpret_cast<bool*>(clean_v + plan.key_block * D);
+    s.own = clean_v + plan.key_block * D + (plan.key_block + 3) / 4;
     return s;
   }
 };
@@ -469,35 +540,80 @@ struct Kernel {
     return found;
   }
 
-  // S^T[c - c0][r] += bias of window column c, for window columns [c0, c1).
-  void add_bias(const int64_t* mrow, int64_t nr, int64_t c0, int64_t c1, float* st) const {
+  // s -> softcap(s * scale) in place, for every row of nj keys (before the mask's bias, as
+  // the contract orders it). A score that is not finite before the cap (NaN, +-inf, or a
+  // float32 overflow) becomes NaN: the cap cannot hide it, and -inf cannot pass for masked.
+  void finish_scores(float* st, int64_t nj, float scale) const {
+    // A subnormal cap has no float32 inverse; FLT_MAX saturates tanh just the same and
+    // keeps 0 * inverse = 0.
+    const float cap = p.softcap, inv_cap = std::min(1.0f / p.softcap, std::numeric_limits<float>::max());
+    for (int64_t i = 0; i < nj * plan.rp; i += kLanes) {
+      Vec s = load(st + i) * scale;
+      const IVec finite = s - s == 0.0f;
+      if (p.softcap > 0) s = cap * vtanh(s * inv_cap);
+      store(st + i, finite ? s : splat(kNaN));
+    }
+  }
+
+  // bad[c] = whether the V row of key first + c is not finite, for the block's window keys
+  // [first, nj); returns whether any is.
+  bool flag_bad_values(const scalar_t* v, int64_t v_stride, int64_t first, int64_t nj, bool* bad) const {
+    bool any = false;
+    for (int64_t j = first; j < nj; ++j) {
+      bad[j - first] = !all_finite(v + j * v_stride, p.D);
+      any |= bad[j - first];
+    }
+    return any;
+  }
+
+  // The block's nj V rows copied to `out` (row stride D) with the rows of its bad window
+  // keys zeroed: P V then adds P * 0 for them, not 0 * NaN, in the rows that do not see
+  // them (the rows that do see them are poisoned by apply_window).
+  const scalar_t* without_bad_values(const scalar_t* v, int64_t v_stride, int64_t first, int64_t nj,
+                                     const bool* bad, scalar_t* out) const {
+    for (int64_t j = 0; j < nj; ++j) {
+      scalar_t* dst = out + j * p.D;
+      if (j >= first && bad[j - first]) std::fill(dst, dst + p.D, scalar_t(0.0f));
+      else std::memcpy(dst, v + j * v_stride, p.D * sizeof(scalar_t));
+    }
+    return out;
+  }
+
+  // The mask over window columns [c0, c1) (st at column c0's scores, finished). What a row
+  // does not see becomes -inf by selection, whatever its score holds (adding a -inf bias
+  // to a NaN score would give NaN); what it sees gets its bias added, and NaN when the
+  // key's V row is not finite (bad[c - c0]), which poisons the row.
+  void apply_window(const int64_t* mrow, int64_t nr, int64_t c0, int64_t c1, const bool* bad, float* st) const {
     for_each_mask_value([&](const auto* mask) {
       for (int64_t c = c0; c < c1; ++c) {
         float* row = st + (c - c0) * plan.rp;
         const int64_t col = c * p.mask_stride[3];
-        for (int64_t r = 0; r < nr; ++r) row[r] += bias_of(mask[mrow[r] + col]);
+        const float poison = bad[c - c0] ? kNaN : 0.0f;
+        for (int64_t r = 0; r < nr; ++r) {
+          const float bias = bias_of(mask[mrow[r] + col]);
+          row[r] = bias == -kInf ? -kInf : row[r] + bias + poison;
+        }
       }
     });
-  }
-
-  // s -> softcap(s * scale) in place (before the mask's bias, as the contract orders it).
-  void scale_and_cap(float* st, int64_t nj, float scale) const {
-    const float cap = p.softcap, inv_cap = 1.0f / p.softcap;
-    for (int64_t i = 0; i < nj * plan.rp; i += kLanes) {
-      Vec s = load(st + i) * scale;
-      if (p.softcap > 0) s = cap * vtanh(s * inv_cap);
-      store(st + i, s);
-    }
   }
 
   // Online-softmax update with the block's scores (times `scale`): m and l advance,
   // alpha gets each row's rescale factor for O, and the probabilities P go to P^T in
   // place (float path) or, rounded to bf16, to the pairs pp[j/2][r][2] (bf16 path).
-  void softmax_update(float* st, int64_t nj, float scale, float* m, float* l, float* alpha, uint16_t* pp) const {
+  // A NaN score makes l NaN (vexp keeps NaN), and so does +inf (m = +inf, then
+  // exp(inf - inf)); l = NaN marks a poisoned row and stays so. `raw` scores come straight
+  // from Q K^T, in a prefix block without softcap that every row sees whole: there -inf is
+  // a non-finite raw score too, which exp would drop, so it poisons the row here.
+  void softmax_update(float* st, int64_t nj, float scale, bool raw, float* m, float* l, float* alpha,
+                      uint16_t* pp) const {
     const int64_t rp = plan.rp;
     for (int64_t r = 0; r < rp; r += kLanes) {
-      Vec block_max = splat(-kInf);
-      for (int64_t j = 0; j < nj; ++j) block_max = vmax(block_max, load(st + j * rp + r) * scale);
+      Vec block_max = splat(-kInf), block_min = splat(kInf);
+      for (int64_t j = 0; j < nj; ++j) {
+        const Vec x = load(st + j * rp + r) * scale;
+        block_max = vmax(block_max, x);
+        block_min = vmin(block_min, x);
+      }
       const Vec m_old = load(m + r);
       const Vec m_new = vmax(m_old, block_max);
       // A row that has seen no key yet keeps m = -inf; subtract 0 instead so every
@@ -520,7 +636,9 @@ struct Kernel {
         store(st + (j + 1) * rp + r, e1);
       }
       const Vec a = vexp(m_old - m_ref);
-      store(l + r, load(l + r) * a + sum);
+      Vec l_new = load(l + r) * a + sum;
+      if (raw) l_new = block_min == -kInf ? splat(kNaN) : l_new;
+      store(l + r, l_new);
       store(m + r, m_new);
       store(alpha + r, a);
     }
@@ -556,17 +674,17 @@ struct Kernel {
     block_scores(kf, k_stride, nj, s.qt, plan.rp, p.D, s.st);
   }
 
-  // O += P V for the block's nj keys (P from softmax_update, V starting at cache row v).
-  void accumulate_values(const scalar_t* v, int64_t nj, const Scratch& s, float* o) const {
+  // O += P V for the block's nj keys (P from softmax_update, V rows at v, v_stride apart).
+  void accumulate_values(const scalar_t* v, int64_t v_stride, int64_t nj, const Scratch& s, float* o) const {
 #if TREE_ATTN_BF16_DOT
     if constexpr (kBf16Dot) {
-      pack_values(reinterpret_cast<const uint16_t*>(v), p.v_stride[2], nj, p.D, s.vp);
+      pack_values(reinterpret_cast<const uint16_t*>(v), v_stride, nj, p.D, s.vp);
       return block_values_bf16(s.pp, plan.rp, s.vp, (nj + 1) / 2, p.D, o);
     }
 #endif
-    int64_t v_stride = 0;
-    const float* vf = rows_as_float(v, p.v_stride[2], nj, s.kv, &v_stride);
-    block_values(s.st, plan.rp, vf, v_stride, nj, p.D, o);
+    int64_t vf_stride = 0;
+    const float* vf = rows_as_float(v, v_stride, nj, s.kv, &vf_stride);
+    block_values(s.st, plan.rp, vf, vf_stride, nj, p.D, o);
   }
 
   // One work item: rows [r0, r0 + nr) of (b, h) over key blocks [kb0, kb1).
@@ -593,6 +711,7 @@ struct Kernel {
 
       const scalar_t* k = cache_rows(in.key, p.k_stride, b, h, j0);
       const scalar_t* v = cache_rows(in.value, p.v_stride, b, h, j0);
+      int64_t v_stride = p.v_stride[2];
       if (kb + 1 < kb1) {
         // Start pulling the next block's K and V towards L2 while this one computes.
         const int64_t next = std::min(end, j1 + plan.key_block) - j1;
@@ -600,15 +719,20 @@ struct Kernel {
         prefetch_rows(cache_rows(in.value, p.v_stride, b, h, j1), p.v_stride[2], next);
       }
       scores(k, nj, s);
-      float scale = score_scale;
-      if (p.softcap > 0 || in_window) {
-        scale_and_cap(s.st, nj, scale);
-        scale = 1.0f;
-        if (in_window) add_bias(s.mrow, nr, w0 - off, j1 - off, s.st + (w0 - j0) * rp);
+      // Prefix blocks without softcap (the hot path) go to the softmax raw.
+      const bool raw = p.softcap == 0 && !in_window;
+      if (!raw) finish_scores(s.st, nj, score_scale);
+      if (in_window) {
+        const int64_t first = w0 - j0;  // the block's first window key
+        if (flag_bad_values(v, v_stride, first, nj, s.bad_value)) {
+          v = without_bad_values(v, v_stride, first, nj, s.bad_value, static_cast<scalar_t*>(s.clean_v));
+          v_stride = D;
+        }
+        apply_window(s.mrow, nr, w0 - off, j1 - off, s.bad_value, s.st + first * rp);
       }
-      softmax_update(s.st, nj, scale, state.m, state.l, s.alpha, s.pp);
+      softmax_update(s.st, nj, raw ? score_scale : 1.0f, raw, state.m, state.l, s.alpha, s.pp);
       rescale(state.o, s.alpha, nr);
-      accumulate_values(v, nj, s, state.o);
+      accumulate_values(v, v_stride, nj, s, state.o);
     }
   }
 
@@ -619,12 +743,15 @@ struct Kernel {
     float* ls = lse.data_ptr<float>();
     for (int64_t r = 0; r < nr; ++r) {
       const int64_t row = r0 + r, i = (b * p.Hq + head_of(h, row)) * p.T + row % p.T;
-      const bool sees_none = state.l[r] == 0.0f;
-      const float inv = sees_none ? 0.0f : 1.0f / state.l[r];
       const float* src = state.o + r * p.D;
+      // Poisoned: l is NaN (a non-finite score or window value it sees), or O is not
+      // finite (a non-finite value of a prefix key, carried through P V).
+      const bool poisoned = std::isnan(state.l[r]) || !all_finite(src, p.D);
+      const bool sees_none = state.l[r] == 0.0f;
+      const float inv = poisoned ? kNaN : sees_none ? 0.0f : 1.0f / state.l[r];
       scalar_t* dst = o + i * p.D;
       for (int64_t d = 0; d < p.D; ++d) dst[d] = scalar_t(src[d] * inv);
-      ls[i] = sees_none ? -kInf : state.m[r] + std::log(state.l[r]);
+      ls[i] = poisoned ? kNaN : sees_none ? -kInf : state.m[r] + std::log(state.l[r]);
     }
   }
 
@@ -679,7 +806,9 @@ struct Kernel {
         for (int64_t sp = 0; sp < plan.splits; ++sp) {
           const State part = State::at(first + sp * state_floats, plan, D);
           for (int64_t r = 0; r < rp; ++r) {
-            // A split that saw no key has l = 0 and m = -inf: weight 0, not NaN.
+            // A split that saw no key has l = 0 and m = -inf: weight 0, not NaN. A
+            // poisoned split's NaN l makes the total NaN, and a non-finite O stays
+            // non-finite whatever its weight (inf * 0 is NaN).
             const float w = part.l[r] == 0.0f ? 0.0f : std::exp(part.m[r] - total.m[r]);
             total.l[r] += part.l[r] * w;
             for (int64_t d = 0; d < D; ++d) total.o[r * D + d] += part.o[r * D + d] * w;
