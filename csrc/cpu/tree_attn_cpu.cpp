@@ -98,13 +98,13 @@ inline To bit_cast(const From& from) {
   return to;
 }
 
-// exp(x) with ~2 ulp error; exactly 0 below -87 (and for -inf), so masked scores add
-// nothing; NaN stays NaN, so a poisoned score reaches its row's sum. Range reduction
-// x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for e^r.
+// exp(x) for x <= 0, the only arguments it gets (scores minus their running max, and
+// -2|y| in vtanh), with ~2 ulp error; exactly 0 below -87 (and for -inf), so masked
+// scores add nothing; NaN stays NaN, so a poisoned score reaches its row's sum. Range
+// reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for e^r.
 inline Vec vexp(Vec x) {
   const IVec keep = ~(x < -87.0f);  // true for NaN
   x = x < -87.0f ? splat(-87.0f) : x;
-  x = x > 88.0f ? splat(88.0f) : x;
   const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const Vec n = (x * 1.44269504088896341f + round_magic) - round_magic;
   const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 split hi + lo
@@ -414,13 +414,15 @@ struct Scratch {
   uint16_t* pp;     // ... and P pairs pp[j/2][r][2]
   float* alpha;     // rp: rescale factors of one block
   int64_t* mrow;    // rp: mask element offset of each row's (b, query head, tree row)
+  float* own;       // a State for unsplit items
+  // Only touched for blocks with a non-finite V row in the window; last, so the hot
+  // regions above keep their relative placement.
   void* clean_v;    // key_block x D elements: a V block with its non-finite window rows zeroed
   bool* bad_value;  // key_block: which window keys of a block have a non-finite V row
-  float* own;       // a State for unsplit items
   static int64_t floats(const Plan& plan, int64_t D) {
     return D * plan.rp + plan.key_block * plan.rp + plan.key_block * D + plan.key_block * plan.rp / 2 + plan.rp +
-           2 * plan.rp /* mrow, int64 */ + plan.key_block * D /* clean_v, at most float */ +
-           (plan.key_block + 3) / 4 /* bad_value */ + State::floats(plan, D);
+           2 * plan.rp /* mrow, int64 */ + State::floats(plan, D) + plan.key_block * D /* clean_v, at most float */ +
+           (plan.key_block + 3) / 4 /* bad_value */;
   }
   static Scratch carve(float* base, const Plan& plan, int64_t D) {
     Scratch s;
@@ -431,10 +433,10 @@ struct Scratch {
     s.pp = s.vp + plan.key_block * D;
     s.alpha = s.kv + plan.key_block * D + plan.key_block * plan.rp / 2;
     s.mrow = reinterpret_cast<int64_t*>(s.alpha + plan.rp);
-    float* clean_v = reinterpret_cast<float*>(s.mrow + plan.rp);
+    s.own = reinterpret_cast<float*>(s.mrow + plan.rp);
+    float* clean_v = s.own + State::floats(plan, D);
     s.clean_v = clean_v;
     s.bad_value = reinterpret_cast<bool*>(clean_v + plan.key_block * D);
-    s.own = clean_v + plan.key_block * D + (plan.key_block + 3) / 4;
     return s;
   }
 };
@@ -608,12 +610,15 @@ struct Kernel {
                       uint16_t* pp) const {
     const int64_t rp = plan.rp;
     for (int64_t r = 0; r < rp; r += kLanes) {
-      Vec block_max = splat(-kInf), block_min = splat(kInf);
+      // s -> s * scale is monotonic, so the scaled extremes are the extremes scaled.
+      Vec hi = splat(-kInf), lo = splat(kInf);
       for (int64_t j = 0; j < nj; ++j) {
-        const Vec x = load(st + j * rp + r) * scale;
-        block_max = vmax(block_max, x);
-        block_min = vmin(block_min, x);
+        const Vec x = load(st + j * rp + r);
+        hi = vmax(hi, x);
+        lo = vmin(lo, x);
       }
+      const Vec block_max = vmax(hi * scale, lo * scale);
+      if (raw) store(l + r, vmin(hi * scale, lo * scale) == -kInf ? splat(kNaN) : load(l + r));
       const Vec m_old = load(m + r);
       const Vec m_new = vmax(m_old, block_max);
       // A row that has seen no key yet keeps m = -inf; subtract 0 instead so every
@@ -636,9 +641,7 @@ struct Kernel {
         store(st + (j + 1) * rp + r, e1);
       }
       const Vec a = vexp(m_old - m_ref);
-      Vec l_new = load(l + r) * a + sum;
-      if (raw) l_new = block_min == -kInf ? splat(kNaN) : l_new;
-      store(l + r, l_new);
+      store(l + r, load(l + r) * a + sum);
       store(m + r, m_new);
       store(alpha + r, a);
     }
