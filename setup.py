@@ -18,6 +18,9 @@ import sys
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc"))
+from build_flags import libstdcxx_link_args, sanitizer_flags  # noqa: E402
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 GENERATED = os.path.join(ROOT, "build", "generated")
 IS_MACOS = sys.platform == "darwin"
@@ -89,16 +92,6 @@ def sources():
     return sorted(rel(s) for s in srcs)
 
 
-def sanitizer_flags():
-    """-fsanitize flags from TORCH_TREE_ATTN_SANITIZE (e.g. "address,undefined"), or none."""
-    wanted = os.environ.get("TORCH_TREE_ATTN_SANITIZE", "").strip()
-    if not wanted:
-        return [], []
-    # vptr checks need the type info of every library in the process (torch's too).
-    flags = [f"-fsanitize={wanted}", "-fno-sanitize=vptr", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
-    return flags, [f"-fsanitize={wanted}"]
-
-
 embed_shader_source()
 
 cxx_flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
@@ -116,7 +109,7 @@ else:
     extra_link.append("-fopenmp")
 sanitize_compile, sanitize_link = sanitizer_flags()
 cxx_flags += sanitize_compile
-extra_link += sanitize_link
+extra_link += sanitize_link + libstdcxx_link_args()
 
 setup(
     name="torch_tree_attn",

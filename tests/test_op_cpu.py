@@ -6,7 +6,10 @@ is written from the contract and shares no code with the kernel. Inputs come fro
 kernel that reads one fails loudly.
 """
 import contextlib
+import importlib
 import math
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -168,6 +171,16 @@ def test_result_does_not_depend_on_thread_count(pr, threads):
 # Targeted behaviour.
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inspects the ELF extension")
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("ldd") is None, reason="needs Linux ldd")
+@pytest.mark.parametrize("module", ["torch_tree_attn._C", "torch_tree_attn_sim._C"])
+def test_extension_uses_the_shared_cpp_runtime(module):
+    # A static copy of libstdc++ inside the extension (some g++ wrappers link one) crashes
+    # on the first formatted error message: csrc/build_flags.py must have prevented it.
+    path = importlib.import_module(module).__file__
+    needed = subprocess.run(["ldd", path], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++.so" in needed, f"{path} does not link the shared libstdc++:\n{needed}"
+
+
 def test_kernel_is_compiled_with_openmp():
     # at::parallel_for is a header template: compiled without -fopenmp it silently runs
     # every work item on one thread, whatever torch.set_num_threads says.

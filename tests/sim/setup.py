@@ -10,8 +10,8 @@ prelude (csrc/msl.h). The extension compiles them with the fiber runtime, the pr
 validation (csrc/validation.cpp) and Metal launch plan (csrc/metal/plan.cpp), so the
 simulator runs exactly what the MPS backend would encode. C++20.
 
-TORCH_TREE_ATTN_SANITIZE=address,undefined builds with those sanitizers, as the
-product's setup.py does.
+TORCH_TREE_ATTN_SANITIZE=address,undefined builds with those sanitizers; flags are shared
+with the product's setup.py (csrc/build_flags.py).
 """
 import glob
 import os
@@ -24,6 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(HERE, "csrc")
 GENERATED = os.path.join(HERE, "build", "generated")
+
+sys.path.insert(0, os.path.join(ROOT, "csrc"))
+from build_flags import libstdcxx_link_args, sanitizer_flags  # noqa: E402
 
 
 def translated_kernels():
@@ -49,12 +52,9 @@ sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
 sources += [os.path.join(ROOT, "csrc", "validation.cpp"), os.path.join(ROOT, "csrc", "metal", "plan.cpp")]
 sources += translated_kernels()
 
-cxx_flags = ["-std=c++20", "-O3", "-fvisibility=hidden"]
-link_flags = []
-sanitize = os.environ.get("TORCH_TREE_ATTN_SANITIZE", "").strip()
-if sanitize:
-    cxx_flags += [f"-fsanitize={sanitize}", "-fno-sanitize=vptr", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
-    link_flags += [f"-fsanitize={sanitize}"]
+sanitize_compile, sanitize_link = sanitizer_flags()
+cxx_flags = ["-std=c++20", "-O3", "-fvisibility=hidden"] + sanitize_compile
+link_flags = sanitize_link + libstdcxx_link_args()
 
 setup(
     name="torch_tree_attn_sim",
