@@ -265,6 +265,22 @@ def inject_nonfinite(inputs: dict, kind: str, seed: int = 0) -> bool:
     return True
 
 
+def check_nonfinite_case(case: Case, kind: str, run) -> None:
+    """One `nonfinite_cases()` pair through a backend: `run(inputs) -> (out, lse)` must put
+    NaN exactly in the rows the reference poisons, and the injection must be meaningful."""
+    inputs = make_inputs(case)
+    assert inject_nonfinite(inputs, kind, case.seed), f"{kind} has no place in {case}"
+    out, lse = run(inputs)
+    check_against_reference(out, lse, inputs)
+    ref_out, _ = tree_attention_reference(**inputs)
+    poisoned = torch.isnan(ref_out).any(dim=-1)
+    if kind.startswith("masked"):
+        assert not poisoned.any(), "a key no row sees must not poison anything"
+    else:
+        assert poisoned.any() and not poisoned.all() or kind.startswith(("prefix", "query")), \
+            "the injection must poison some rows and spare others"
+
+
 def nonfinite_cases() -> list:
     """(case, kind) pairs: every kind over each dtype, mask kind and window, with splits."""
     pairs = []

@@ -15,7 +15,7 @@ import torch
 
 import torch_tree_attn  # noqa: F401  (registers the ops)
 import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
-from tests.cases import (Case, check_against_reference, inject_nonfinite, make_inputs, nonfinite_cases,
+from tests.cases import (Case, check_against_reference, check_nonfinite_case, inject_nonfinite, make_inputs, nonfinite_cases,
                          parity_matrix)
 from torch_tree_attn.reference import tree_attention_reference
 
@@ -164,17 +164,7 @@ def test_unused_slots_hold_nan_and_the_last_chunk_is_partial():
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case, kind", nonfinite_cases(), ids=lambda x: str(x))
 def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind):
-    inputs = make_inputs(case)
-    assert inject_nonfinite(inputs, kind, case.seed), f"{kind} has no place in {case}"
-    out, lse = sim(inputs)
-    check_against_reference(out, lse, inputs)
-    ref_out, _ = tree_attention_reference(**inputs)
-    poisoned = torch.isnan(ref_out).any(dim=-1)
-    if kind.startswith("masked"):
-        assert not poisoned.any(), "a key no row sees must not poison anything"
-    else:
-        assert poisoned.any() and not poisoned.all() or kind.startswith(("prefix", "query")), \
-            "the injection must poison some rows and spare others"
+    check_nonfinite_case(case, kind, lambda inputs: sim(inputs))
 
 
 def _split_of(plan, key):
