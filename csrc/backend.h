@@ -22,8 +22,9 @@ template <class Backend>
 std::tuple<at::Tensor, at::Tensor> forward_with_lse(const at::Tensor& query, const at::Tensor& key,
                                                     const at::Tensor& value, const at::Tensor& mask,
                                                     const c10::optional<at::Tensor>& mask_offset,
-                                                    c10::optional<double> scale, c10::optional<double> softcap) {
-  const Prepared in = prepare(query, key, value, mask, mask_offset, scale, softcap, Backend::kOffsetCheck);
+                                                    c10::optional<double> scale, c10::optional<double> softcap,
+                                                    const c10::optional<at::Tensor>& sinks) {
+  const Prepared in = prepare(query, key, value, mask, mask_offset, scale, softcap, sinks, Backend::kOffsetCheck);
   at::Tensor out = empty_output(in);
   at::Tensor lse = empty_lse(in);
   if (!in.p.empty()) Backend::run(in, out, lse);
@@ -34,8 +35,8 @@ std::tuple<at::Tensor, at::Tensor> forward_with_lse(const at::Tensor& query, con
 template <class Backend>
 at::Tensor forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& mask,
                    const c10::optional<at::Tensor>& mask_offset, c10::optional<double> scale,
-                   c10::optional<double> softcap) {
-  return std::get<0>(forward_with_lse<Backend>(query, key, value, mask, mask_offset, scale, softcap));
+                   c10::optional<double> softcap, const c10::optional<at::Tensor>& sinks) {
+  return std::get<0>(forward_with_lse<Backend>(query, key, value, mask, mask_offset, scale, softcap, sinks));
 }
 
 }  // namespace tree_attn

@@ -30,12 +30,13 @@ tree_attn::ArgInfo info(const ArgMeta& meta) {
 
 void check_contract(const ArgMeta& query, const ArgMeta& key, const ArgMeta& value, const ArgMeta& mask,
                     const std::optional<ArgMeta>& mask_offset, std::optional<double> scale,
-                    std::optional<double> softcap) {
+                    std::optional<double> softcap, const std::optional<ArgMeta>& sinks) {
   // The contract's ValueError/TypeError, as Python's, whatever pybind11 build torch uses.
   try {
     const tree_attn::ArgInfo offsets = mask_offset ? info(*mask_offset) : tree_attn::ArgInfo{};
+    const tree_attn::ArgInfo sink_info = sinks ? info(*sinks) : tree_attn::ArgInfo{};
     tree_attn::check_contract(info(query), info(key), info(value), info(mask), mask_offset ? &offsets : nullptr,
-                              scale, softcap);
+                              scale, softcap, sinks ? &sink_info : nullptr);
   } catch (const c10::ValueError& e) {
     throw pybind11::value_error(e.what_without_backtrace());
   } catch (const c10::TypeError& e) {

@@ -4,4 +4,4 @@
 
 #define TREE_ATTN_SCHEMA_ARGS                                                          \
   "(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor? mask_offset=None, " \
-  "float? scale=None, float? softcap=None)"
+  "float? scale=None, float? softcap=None, Tensor? sinks=None)"

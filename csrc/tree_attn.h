@@ -26,7 +26,8 @@ struct Problem {
   int64_t S = 0;    // key/value capacity
   int64_t D = 0;    // head dim
   int64_t M = 0;    // mask window width: keys [off_b, off_b + M) follow the mask
-  at::ScalarType dtype = at::kFloat;
+  at::ScalarType q_dtype = at::kFloat;   // query and output
+  at::ScalarType kv_dtype = at::kFloat;  // key and value: q_dtype, or f16/bf16 under an f32 query
 
   // Element strides, ordered (batch, head, row, dim) for q/k/v and
   // (batch, query head, query row, window column) for the mask; broadcast dims are 0.
@@ -37,6 +38,7 @@ struct Problem {
   MaskKind mask_kind = MaskKind::Bool;
 
   bool has_offsets = false;
+  bool has_sinks = false;
   float scale = 1.0f;
   float softcap = 0.0f;  // 0 means off
 
@@ -47,6 +49,7 @@ struct Prepared {
   at::Tensor query, key, value;  // stride(-1) == 1
   at::Tensor mask;               // bool or float32, original (broadcast) strides
   at::Tensor offsets;            // int32 [B] contiguous, undefined when has_offsets is false
+  at::Tensor sinks;              // float32 [Hq] contiguous, undefined when has_sinks is false
   Problem p;
 };
 
@@ -62,12 +65,13 @@ struct ArgInfo {
 };
 
 // Every rule of the op contract that metadata can decide: ranks, devices, dtypes,
-// shapes, GQA divisibility, supported D, overflow-checked index ranges, scale and
-// softcap. Returns the problem's sizes (strides are left to prepare()); throws
+// shapes, GQA divisibility, supported D, overflow-checked index ranges, scale, softcap
+// and sinks. Returns the problem's sizes (strides are left to prepare()); throws
 // c10::ValueError / c10::TypeError naming the argument and the values seen.
-// `mask_offset` is null when the call has none.
+// `mask_offset` and `sinks` are null when the call has none.
 Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& value, const ArgInfo& mask,
-                       const ArgInfo* mask_offset, c10::optional<double> scale, c10::optional<double> softcap);
+                       const ArgInfo* mask_offset, c10::optional<double> scale, c10::optional<double> softcap,
+                       const ArgInfo* sinks);
 
 // Where the offsets live decides what can be checked: reading them on MPS/CUDA would
 // force a device sync, so there kernels clamp instead (see README, "Offsets").
@@ -76,7 +80,7 @@ enum class OffsetCheck { OnHost, ClampInKernel };
 Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& mask, const c10::optional<at::Tensor>& mask_offset,
                  c10::optional<double> scale, c10::optional<double> softcap,
-                 OffsetCheck offset_check);
+                 const c10::optional<at::Tensor>& sinks, OffsetCheck offset_check);
 
 // Output buffers with the layout every backend (and the fake) returns.
 at::Tensor empty_output(const Prepared& in);

@@ -19,10 +19,15 @@ std::string shape_of(c10::IntArrayRef sizes) {
   return s.str();
 }
 
-bool supported_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
+bool supported_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256 || d == 512; }
 
 bool attention_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// key and value share one attention dtype; query has it too, or is float32 over half K/V.
+bool supported_dtypes(at::ScalarType q, at::ScalarType k, at::ScalarType v) {
+  return k == v && attention_dtype(k) && (q == k || q == at::kFloat);
 }
 
 // The largest element index a strided view can touch, overflow-checked, so kernels may
@@ -51,7 +56,8 @@ at::Tensor unit_inner_stride(const at::Tensor& t) {
 ArgInfo ArgInfo::of(const at::Tensor& t) { return ArgInfo{t.sizes(), t.strides(), t.scalar_type(), t.device()}; }
 
 Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& value, const ArgInfo& mask,
-                       const ArgInfo* mask_offset, c10::optional<double> scale, c10::optional<double> softcap) {
+                       const ArgInfo* mask_offset, c10::optional<double> scale, c10::optional<double> softcap,
+                       const ArgInfo* sinks) {
   // Ranks first: everything after indexes sizes.
   TORCH_CHECK_VALUE(query.dim() == 4, "query must be 4-D [B, Hq, T, D], got shape ", shape_of(query.sizes));
   TORCH_CHECK_VALUE(key.dim() == 4, "key must be 4-D [B, Hkv, S, D], got shape ", shape_of(key.sizes));
@@ -65,11 +71,10 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
                     "query, key, value and mask must be on one device, got query on ", device,
                     ", key on ", key.device, ", value on ", value.device, ", mask on ", mask.device);
 
-  TORCH_CHECK_TYPE(attention_dtype(query.dtype),
-                   "query dtype must be float32, float16 or bfloat16, got ", query.dtype);
-  TORCH_CHECK_TYPE(key.dtype == query.dtype && value.dtype == query.dtype,
-                   "query, key and value must share one dtype, got query ", query.dtype,
-                   ", key ", key.dtype, ", value ", value.dtype);
+  TORCH_CHECK_TYPE(supported_dtypes(query.dtype, key.dtype, value.dtype),
+                   "query, key and value dtypes must be one of float32, float16 or bfloat16 for all three, "
+                   "or a float32 query over float16 or bfloat16 key and value; got query ",
+                   query.dtype, ", key ", key.dtype, ", value ", value.dtype);
 
   Problem p;
   p.B = query.sizes[0];
@@ -78,9 +83,10 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
   p.D = query.sizes[3];
   p.Hkv = key.sizes[1];
   p.S = key.sizes[2];
-  p.dtype = query.dtype;
+  p.q_dtype = query.dtype;
+  p.kv_dtype = key.dtype;
 
-  TORCH_CHECK_VALUE(supported_head_dim(p.D), "query head dim D must be one of 64, 96, 128, 256, got ",
+  TORCH_CHECK_VALUE(supported_head_dim(p.D), "query head dim D must be one of 64, 96, 128, 256, 512, got ",
                     p.D, " (query shape ", shape_of(query.sizes), ")");
   TORCH_CHECK_VALUE(key.sizes[0] == p.B && key.sizes[3] == p.D,
                     "key must be [B, Hkv, S, D] = [", p.B, ", Hkv, S, ", p.D, "] to match query ",
@@ -128,6 +134,17 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
     p.has_offsets = true;
   }
 
+  if (sinks != nullptr) {
+    const ArgInfo& sk = *sinks;
+    TORCH_CHECK_TYPE(at::isFloatingType(sk.dtype), "sinks must be a floating tensor (one logit per query head), got ",
+                     sk.dtype);
+    TORCH_CHECK_VALUE(sk.dim() == 1 && sk.sizes[0] == p.Hq, "sinks must have shape [Hq] = [", p.Hq, "], got ",
+                      shape_of(sk.sizes));
+    TORCH_CHECK_VALUE(sk.device == device, "sinks must be on the query's device ", device, ", got ", sk.device);
+    check_index_range(sk, "sinks");
+    p.has_sinks = true;
+  }
+
   // scale and softcap are float32 in every kernel: check the values the kernels will use.
   const double default_scale = 1.0 / std::sqrt(double(p.D));
   const double s = scale.has_value() ? *scale : default_scale;
@@ -146,10 +163,12 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
 Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& mask, const c10::optional<at::Tensor>& mask_offset,
                  c10::optional<double> scale, c10::optional<double> softcap,
-                 OffsetCheck offset_check) {
+                 const c10::optional<at::Tensor>& sinks, OffsetCheck offset_check) {
   const ArgInfo off_info = mask_offset.has_value() ? ArgInfo::of(*mask_offset) : ArgInfo{};
+  const ArgInfo sink_info = sinks.has_value() ? ArgInfo::of(*sinks) : ArgInfo{};
   Problem p = check_contract(ArgInfo::of(query), ArgInfo::of(key), ArgInfo::of(value), ArgInfo::of(mask),
-                             mask_offset.has_value() ? &off_info : nullptr, scale, softcap);
+                             mask_offset.has_value() ? &off_info : nullptr, scale, softcap,
+                             sinks.has_value() ? &sink_info : nullptr);
 
   Prepared out;
   out.query = unit_inner_stride(query);
@@ -186,6 +205,8 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tenso
                       ? off.contiguous()
                       : off.clamp(0, std::numeric_limits<int32_t>::max()).to(at::kInt).contiguous();
   }
+  // Sinks are read as float32 (a float64 sink beyond float32's range becomes inf).
+  if (sinks.has_value()) out.sinks = sinks->to(at::kFloat).contiguous();
   out.p = p;
   return out;
 }

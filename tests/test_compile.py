@@ -15,14 +15,10 @@ import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_tree_attn
-from tests.cases import Case, make_inputs, random_tree_mask
+from tests.cases import args_of, Case, make_inputs, random_tree_mask
 
 ops = torch.ops.tree_attn
-ARG_ORDER = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap")
 
-
-def args_of(inputs):
-    return tuple(inputs[name] for name in ARG_ORDER)
 
 
 @pytest.fixture(autouse=True)

@@ -50,7 +50,7 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import check_against_reference
+from tests.cases import args_of, check_against_reference
 
 try:
     import torch_tree_attn_sim  # noqa: F401  (registers torch.ops.tree_attn_sim)
@@ -74,11 +74,11 @@ CPU_CHUNKS = 20
 SIM_CHUNKS = 6
 MAX_REPORTED = 8  # failures printed per chunk (all are counted)
 
-ARG_ORDER = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MASK_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                "float64": torch.float64}
-C10_NAME = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double"}
+C10_NAME = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double",
+            torch.int32: "Int", torch.int64: "Long", torch.int8: "Char", torch.uint8: "Byte"}
 FMAX = torch.finfo(torch.float32).max
 NAN, INF = math.nan, math.inf
 
@@ -682,22 +682,23 @@ def _mutate(p: dict, built: Built) -> None:
     elif kind == "query_dtype":
         bad = pick.choice([torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8])
         to = {n: i[n].to(bad) for n in ("query", "key", "value")} if pick.random() < 0.5 else {"query": q.to(bad)}
-        set_(f"query dtype {bad}", TypeError, r"query dtype must be float32, float16 or bfloat16", **to)
+        set_(f"query dtype {bad}", TypeError,
+             rf"query, key and value dtypes must be one of .*got query {C10_NAME[bad]}", **to)
     elif kind in ("key_dtype", "value_dtype"):
         name = kind.split("_")[0]
         bad = pick.choice([t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64) if t != dtype])
-        set_(f"{name} dtype {bad}", TypeError, rf"must share one dtype, got query \w+, .*{name} {C10_NAME[bad]}",
+        set_(f"{name} dtype {bad}", TypeError, rf"dtypes must be one of .*got query \w+, .*{name} {C10_NAME[bad]}",
              **{name: i[name].to(bad)})
     elif kind == "head_dim":
-        Dn = pick.choice([0, 1, 16, 32, 48, 63, 65, 80, 100, 112, 160, 192, 255, 257, 512])
+        Dn = pick.choice([0, 1, 16, 32, 48, 63, 65, 80, 100, 112, 160, 192, 255, 257, 384, 511, 513, 1024])
         new = {n: torch.zeros(*i[n].shape[:3], Dn, dtype=dtype) for n in ("query", "key", "value")}
-        set_(f"D={Dn}", ValueError, rf"query head dim D must be one of 64, 96, 128, 256, got {Dn}", **new)
+        set_(f"D={Dn}", ValueError, rf"query head dim D must be one of 64, 96, 128, 256, 512, got {Dn}", **new)
     elif kind == "key_batch":
         Bn = pick.choice([x for x in (0, 1, 2, B + 1, B + 2) if x != B])
         kv = torch.zeros(Bn, Hkv, S, D, dtype=dtype)
         set_(f"key/value batch {Bn}", ValueError, r"key must be \[B, Hkv, S, D\]", key=kv, value=kv.clone())
     elif kind == "key_head_dim":
-        Dn = pick.choice([x for x in (64, 96, 128, 256, 32) if x != D])
+        Dn = pick.choice([x for x in (64, 96, 128, 256, 512, 32) if x != D])
         kv = torch.zeros(B, Hkv, S, Dn, dtype=dtype)
         set_(f"key/value D {Dn}", ValueError, r"key must be \[B, Hkv, S, D\]", key=kv, value=kv.clone())
     elif kind == "value_shape":
@@ -792,7 +793,7 @@ def _ops(stream: str):
 
 
 def _args(inputs: dict) -> tuple:
-    return tuple(inputs[n] for n in ARG_ORDER)
+    return args_of(inputs)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

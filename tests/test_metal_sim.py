@@ -15,16 +15,12 @@ import torch
 
 import torch_tree_attn  # noqa: F401  (registers the ops)
 import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
-from tests.cases import (Case, check_against_reference, check_nonfinite_case, inject_nonfinite, make_inputs, nonfinite_cases,
+from tests.cases import (args_of, metal_supports, Case, check_against_reference, check_nonfinite_case, inject_nonfinite, make_inputs, nonfinite_cases,
                          parity_matrix)
 from torch_tree_attn.reference import tree_attention_reference
 
 ops = torch.ops.tree_attn_sim
-ARG_ORDER = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap")
 
-
-def args_of(inputs):
-    return tuple(inputs[name] for name in ARG_ORDER)
 
 
 def sim(inputs):
@@ -39,7 +35,7 @@ def traffic_of(inputs):
     return json.loads(ops.traffic(*args_of(inputs)))
 
 
-MATRIX = parity_matrix()
+MATRIX = [c for c in parity_matrix() if metal_supports(c)]
 
 # Long prefixes: S large enough that the plan splits the keys across threadgroups, with
 # offsets that end the visible range inside a split and inside a chunk.
@@ -162,7 +158,7 @@ def test_unused_slots_hold_nan_and_the_last_chunk_is_partial():
 # ---------------------------------------------------------------------------------------
 # Non-finite values (README, "Non-finite values"): NaN exactly in the rows that see one.
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case, kind", nonfinite_cases(), ids=lambda x: str(x))
+@pytest.mark.parametrize("case, kind", [p for p in nonfinite_cases() if metal_supports(p[0])], ids=lambda x: str(x))
 def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind):
     check_nonfinite_case(case, kind, lambda inputs: sim(inputs))
 

@@ -18,17 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_tree_attn
-from tests.cases import (DTYPES, HEAD_DIMS, TOLERANCE, check_against_reference, make_inputs,
+from tests.cases import (args_of, DTYPE_PAIRS, DTYPES, HEAD_DIMS, TOLERANCE, check_against_reference, make_inputs,
                          parity_matrix, random_tree_mask)
 from torch_tree_attn.reference import tree_attention_reference
 
 ops = torch.ops.tree_attn
-ARG_ORDER = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap")
 NAN = float("nan")
 
-
-def args_of(inputs):
-    return tuple(inputs[name] for name in ARG_ORDER)
 
 
 @contextlib.contextmanager
@@ -73,7 +69,14 @@ def test_parity_matrix(case):
 
 def test_matrix_covers_the_contract():
     seen = lambda attr: {getattr(c, attr) for c in MATRIX}  # noqa: E731
-    assert seen("dtype") == set(DTYPES) and seen("D") == set(HEAD_DIMS)
+    assert {(c.dtype, c.cache_dtype) for c in MATRIX} == set(DTYPE_PAIRS) and seen("D") == set(HEAD_DIMS)
+    # Sinks (both sink dtypes) meet every dtype pair, D, mask kind and window (M = 0
+    # included); fully masked rows come with every case (make_inputs).
+    with_sinks = [c for c in MATRIX if c.sinks is not None]
+    assert {c.sinks for c in with_sinks} == {torch.float32, torch.bfloat16}
+    for attr in ("mask_kind", "window"):
+        combos = lambda cases: {(c.dtype, c.cache_dtype, c.D, getattr(c, attr)) for c in cases}  # noqa: E731
+        assert combos(with_sinks) == combos(MATRIX), attr
     assert {c.Hq // c.Hkv for c in MATRIX} == {1, 4, 8} and seen("T") == {1, 5, 64, 100}
     assert seen("mask_kind") == {"bool", "float", "float_min"}
     assert seen("window") == {"compact", "dense", "empty"}
@@ -102,7 +105,7 @@ def _strided(t, layout, gen):
 
 @st.composite
 def problems(draw):
-    dtype = draw(st.sampled_from(DTYPES))
+    dtype, kv_dtype = draw(st.sampled_from(DTYPE_PAIRS))
     D = draw(st.sampled_from(HEAD_DIMS))
     Hkv = draw(st.integers(1, 3))
     G = draw(st.sampled_from([1, 2, 3, 4, 8]))
@@ -118,8 +121,9 @@ def problems(draw):
     softcap = draw(st.sampled_from([None, None, 5.0, 30.0]))
     scale = draw(st.sampled_from([None, None, 0.03, 0.4]))
     density = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+    sinks = draw(st.sampled_from([None, None, "finite", "with_neg_inf"]))
     seed = draw(st.integers(0, 2**31 - 1))
-    return dict(dtype=dtype, D=D, Hkv=Hkv, Hq=G * Hkv, B=B, T=T, M=M, S=S, offsets=offsets, kind=kind,
+    return dict(dtype=dtype, kv_dtype=kv_dtype, sinks=sinks, D=D, Hkv=Hkv, Hq=G * Hkv, B=B, T=T, M=M, S=S, offsets=offsets, kind=kind,
                 mask_shape=mask_shape, layouts=layouts, use_offsets=use_offsets, softcap=softcap, scale=scale,
                 density=density, seed=seed)
 
@@ -129,8 +133,8 @@ def build(pr):
     B, Hq, Hkv, T, M, S, D = (pr[n] for n in ("B", "Hq", "Hkv", "T", "M", "S", "D"))
     offsets = pr["offsets"] if pr["use_offsets"] else [0] * B
     q = torch.randn(B, Hq, T, D, generator=gen).to(pr["dtype"])
-    k = torch.randn(B, Hkv, S, D, generator=gen).to(pr["dtype"])
-    v = torch.randn(B, Hkv, S, D, generator=gen).to(pr["dtype"])
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(pr["kv_dtype"])
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(pr["kv_dtype"])
     for b, off in enumerate(offsets):
         k[b, :, off + M:] = NAN
         v[b, :, off + M:] = NAN
@@ -146,7 +150,13 @@ def build(pr):
     elif pr["mask_shape"] == "transposed":  # window column as the slow dimension
         mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
     off = torch.tensor(offsets, dtype=torch.int32) if pr["use_offsets"] else None
-    return dict(query=q, key=k, value=v, mask=mask, mask_offset=off, scale=pr["scale"], softcap=pr["softcap"])
+    sinks = None
+    if pr["sinks"] is not None:
+        sinks = torch.randn(Hq, generator=gen) * 3.0
+        if pr["sinks"] == "with_neg_inf":
+            sinks[0] = -math.inf
+    return dict(query=q, key=k, value=v, mask=mask, mask_offset=off, scale=pr["scale"], softcap=pr["softcap"],
+                sinks=sinks)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -320,6 +330,58 @@ def test_positional_call_and_python_api():
     assert torch.equal(positional, out)
     assert torch.equal(torch_tree_attn.tree_attention(q, k, v, mask, off), out)
     check_against_reference(out, lse, inputs)
+    sinks = torch.randn(4)
+    with_sinks = ops.forward(q, k, v, mask, off, None, None, sinks)
+    assert torch.equal(with_sinks, torch_tree_attn.tree_attention(q, k, v, mask, off, sinks=sinks))
+    assert not torch.equal(with_sinks, out)
+
+
+def test_sinks_join_the_denominator_only():
+    # out = sum_j e^s_j v_j / (sum_j e^s_j + e^sink), lse = log(sum_j e^s_j + e^sink), by
+    # hand from float64 softmax; softcap caps the scores, never the sink; a bf16 sink is
+    # read as float32; -inf is no sink.
+    inputs = tree_inputs(B=2, Hq=4, Hkv=2, T=5, prefix=(10, 30), D=64, seed=3)
+    sinks = torch.tensor([0.5, -math.inf, 60.0, -2.0])
+    out, lse = ops.forward_with_lse(*args_of(dict(inputs, softcap=5.0, sinks=sinks)))
+    plain_out, plain_lse = tree_attention_reference(**dict(inputs, softcap=5.0))
+    sink = sinks.double()[None, :, None]
+    want_lse = torch.logaddexp(plain_lse, sink)
+    want_out = plain_out * torch.exp(plain_lse - want_lse)[..., None]
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(out.double(), want_out, **TOLERANCE[torch.float32])
+    # A sink of 60 beyond the cap of 5 dominates: that head's output is almost 0.
+    assert out[:, 2].abs().max() < 1e-20
+    assert torch.equal(ops.forward(*args_of(dict(inputs, sinks=sinks.bfloat16()))),
+                       ops.forward(*args_of(dict(inputs, sinks=sinks.bfloat16().float()))))
+    no_sink = ops.forward(*args_of(inputs))
+    assert torch.equal(out[:, 1], ops.forward(*args_of(dict(inputs, softcap=5.0)))[:, 1])
+    assert not torch.equal(out[:, 0], no_sink[:, 0])
+
+
+@pytest.mark.parametrize("sink", [-1.5, -math.inf])
+def test_rows_that_see_no_key_give_zero_and_their_sink(sink):
+    inputs = tree_inputs(B=2, Hq=2, Hkv=1, T=4, prefix=(0, 6), D=64)
+    inputs["mask"][0] = False  # batch row 0: no prefix, nothing in the window
+    sinks = torch.tensor([sink, 2.0])
+    out, lse = ops.forward_with_lse(*args_of(dict(inputs, sinks=sinks)))
+    assert (out[0] == 0).all()
+    assert torch.equal(lse[0], sinks[:, None].expand(2, 4))
+    check_against_reference(out, lse, dict(inputs, sinks=sinks))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 512])
+def test_float32_query_over_half_cache_keeps_float32_precision(kv_dtype, D):
+    # The float32 query is not rounded to the cache dtype: the result equals (to float32
+    # accumulation error) the all-float32 call on the same, exactly widened K/V values,
+    # and is far closer to it than the all-half call.
+    inputs = tree_inputs(B=2, Hq=8, Hkv=2, T=9, prefix=(70, 300), D=D, dtype=kv_dtype, seed=5)
+    q32 = torch.randn(inputs["query"].shape, generator=torch.Generator().manual_seed(9))
+    mixed = ops.forward(*args_of(dict(inputs, query=q32)))
+    assert mixed.dtype == torch.float32
+    widened = dict(inputs, query=q32, key=inputs["key"].float(), value=inputs["value"].float())
+    torch.testing.assert_close(mixed, ops.forward(*args_of(widened)), atol=2e-6, rtol=2e-6)
+    check_against_reference(mixed, None, dict(inputs, query=q32))
 
 
 def test_scale_and_softcap_are_applied_in_contract_order():
@@ -389,12 +451,33 @@ BAD_INPUTS = [
     ("key rank", lambda i: dict(key=i["key"][0]), ValueError, r"key must be 4-D .*\[2, 16, 64\]"),
     ("value rank", lambda i: dict(value=i["value"][None]), ValueError, r"value must be 4-D .*\[1, 2, 2, 16, 64\]"),
     ("mask rank", lambda i: dict(mask=i["mask"][0]), ValueError, r"mask must be 3-D .* got shape \[3, 3\]"),
-    ("query dtype", lambda i: {n: i[n].double() for n in ("query", "key", "value")}, TypeError,
-     r"query dtype must be float32, float16 or bfloat16, got Double"),
-    ("key dtype", lambda i: dict(key=i["key"].half()), TypeError, r"query, key and value must share one dtype.*key Half"),
-    ("value dtype", lambda i: dict(value=i["value"].bfloat16()), TypeError, r"share one dtype.*value BFloat16"),
+    ("float64 everywhere", lambda i: {n: i[n].double() for n in ("query", "key", "value")}, TypeError,
+     r"query, key and value dtypes must be one of .*got query Double, key Double, value Double"),
+    ("key and value differ", lambda i: dict(key=i["key"].half()), TypeError,
+     r"got query Float, key Half, value Float"),
+    ("value differs", lambda i: dict(value=i["value"].bfloat16()), TypeError, r"got query Float, key Float, value BFloat16"),
+    ("half query over float32", lambda i: dict(query=i["query"].half()), TypeError,
+     r"got query Half, key Float, value Float"),
+    ("bf16 query over f16", lambda i: dict(query=i["query"].bfloat16(), key=i["key"].half(), value=i["value"].half()),
+     TypeError, r"got query BFloat16, key Half, value Half"),
+    ("f16 query over bf16", lambda i: dict(query=i["query"].half(), key=i["key"].bfloat16(),
+                                           value=i["value"].bfloat16()), TypeError, r"got query Half, key BFloat16"),
+    ("float64 query over f16", lambda i: dict(query=i["query"].double(), key=i["key"].half(), value=i["value"].half()),
+     TypeError, r"got query Double, key Half, value Half"),
+    ("int8 cache", lambda i: dict(key=i["key"].to(torch.int8), value=i["value"].to(torch.int8)), TypeError,
+     r"got query Float, key Char, value Char"),
     ("head dim", lambda i: {n: i[n][..., :48] for n in ("query", "key", "value")}, ValueError,
-     r"query head dim D must be one of 64, 96, 128, 256, got 48"),
+     r"query head dim D must be one of 64, 96, 128, 256, 512, got 48"),
+    ("head dim 1024", lambda i: {n: i[n].repeat(1, 1, 1, 16) for n in ("query", "key", "value")}, ValueError,
+     r"query head dim D must be one of 64, 96, 128, 256, 512, got 1024"),
+    ("sinks shape", lambda i: dict(sinks=torch.zeros(2)), ValueError, r"sinks must have shape \[Hq\] = \[4\], got \[2\]"),
+    ("sinks rank", lambda i: dict(sinks=torch.zeros(1, 4)), ValueError, r"sinks must have shape \[Hq\] = \[4\], got \[1, 4\]"),
+    ("sinks scalar", lambda i: dict(sinks=torch.tensor(0.5)), ValueError, r"sinks must have shape \[Hq\] = \[4\], got \[\]"),
+    ("sinks dtype", lambda i: dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError,
+     r"sinks must be a floating tensor .*got Long"),
+    ("sinks bool", lambda i: dict(sinks=torch.zeros(4, dtype=torch.bool)), TypeError, r"sinks must be a floating tensor .*got Bool"),
+    ("sinks on meta", lambda i: dict(sinks=torch.zeros(4, device="meta")), ValueError,
+     r"sinks must be on the query's device cpu, got meta"),
     ("key batch", lambda i: dict(key=i["key"][:1], value=i["value"][:1]), ValueError,
      r"key must be \[B, Hkv, S, D\] = \[2, Hkv, S, 64\].*got \[1, 2, 16, 64\]"),
     ("key head dim", lambda i: dict(key=torch.randn(2, 2, 16, 128), value=torch.randn(2, 2, 16, 128)), ValueError,

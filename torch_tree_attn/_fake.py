@@ -42,14 +42,14 @@ def _meta(t: torch.Tensor):
     return sizes, strides, t.dtype, t.device
 
 
-def check_call(query, key, value, mask, mask_offset=None, scale=None, softcap=None) -> None:
+def check_call(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None) -> None:
     """Raises what the op would raise for this call, from its metadata alone."""
-    tensors = (query, key, value, mask) + ((mask_offset,) if mask_offset is not None else ())
-    metas = [_meta(t) for t in tensors]
-    if any(m is None for m in metas):
+    optional = [mask_offset, sinks]
+    metas = [_meta(t) for t in (query, key, value, mask)]
+    optional_metas = [None if t is None else _meta(t) for t in optional]
+    if any(m is None for m in metas) or any(m is None and t is not None for m, t in zip(optional_metas, optional)):
         return  # unbacked sizes: the kernel checks them when it runs
-    offsets = metas[4] if mask_offset is not None else None
-    _C.check_contract(*metas[:4], offsets, scale, softcap)
+    _C.check_contract(*metas, optional_metas[0], scale, softcap, optional_metas[1])
 
 
 def _out(query):
@@ -60,13 +60,13 @@ def _lse(query):
     return torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
 
 
-def _forward_fake(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
-    check_call(query, key, value, mask, mask_offset, scale, softcap)
+def _forward_fake(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
+    check_call(query, key, value, mask, mask_offset, scale, softcap, sinks)
     return _out(query)
 
 
-def _forward_with_lse_fake(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
-    check_call(query, key, value, mask, mask_offset, scale, softcap)
+def _forward_with_lse_fake(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
+    check_call(query, key, value, mask, mask_offset, scale, softcap, sinks)
     return _out(query), _lse(query)
 
 

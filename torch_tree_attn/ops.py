@@ -12,15 +12,17 @@ def tree_attention(
     mask_offset: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention of draft-tree queries over a KV cache: each query sees the committed
     prefix and the keys its mask allows.
 
     Args:
-        query: ``[B, Hq, T, D]``; float32, float16 or bfloat16. D in {64, 96, 128, 256}.
-        key, value: ``[B, Hkv, S, D]`` with ``Hq % Hkv == 0`` (GQA/MQA), the query's dtype.
-            S may be a static cache's capacity. Any strides with ``stride(-1) == 1`` are
+        query: ``[B, Hq, T, D]``; float32, float16 or bfloat16. D in {64, 96, 128, 256, 512}.
+        key, value: ``[B, Hkv, S, D]`` with ``Hq % Hkv == 0`` (GQA/MQA), one dtype: the
+            query's, or float16/bfloat16 under a float32 query. S may be a static cache's
+            capacity. Any strides with ``stride(-1) == 1`` are
             used without a copy (e.g. a ``[B, S, Hkv, D]`` cache passed as
             ``.transpose(1, 2)``); other layouts are copied.
         mask: bool (True = attend) or floating (additive bias; ``-inf`` or very negative
@@ -38,16 +40,20 @@ def tree_attention(
         scale: score scale, default ``D ** -0.5``.
         softcap: if set, ``softcap * tanh(s / softcap)`` of the scaled score ``s``,
             applied before the mask's bias is added (Gemma-2 style).
+        sinks: optional floating ``[Hq]`` on the query's device: one logit per query head
+            that joins the softmax denominator and attends to no value (gpt-oss). softcap
+            does not apply to it. ``-inf`` is no sink.
         return_lse: also return the float32 ``[B, Hq, T]`` log-sum-exp of the final
             scores (natural log).
 
     Returns:
         ``[B, Hq, T, D]`` in the query dtype (accumulated in float32), and the lse if
-        asked. A query that sees no key gets output 0 and lse ``-inf``, never NaN.
+        asked. A query that sees no key gets output 0 and lse ``-inf`` (its head's sink
+        with sinks), never NaN.
 
     Raises:
         ValueError / TypeError naming the argument and the values seen.
     """
     if return_lse:
-        return torch.ops.tree_attn.forward_with_lse(query, key, value, mask, mask_offset, scale, softcap)
-    return torch.ops.tree_attn.forward(query, key, value, mask, mask_offset, scale, softcap)
+        return torch.ops.tree_attn.forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)
+    return torch.ops.tree_attn.forward(query, key, value, mask, mask_offset, scale, softcap, sinks)

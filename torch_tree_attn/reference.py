@@ -40,8 +40,12 @@ def tree_attention_reference(
     mask_offset: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out float64 ``[B, Hq, T, D]``, lse float64 ``[B, Hq, T]``)."""
+    """Returns (out float64 ``[B, Hq, T, D]``, lse float64 ``[B, Hq, T]``).
+
+    ``sinks`` ``[Hq]`` join each row's softmax denominator as one extra logit with no
+    value; they are read as the float32 the kernels read."""
     B, Hq, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     G = Hq // Hkv
@@ -68,6 +72,14 @@ def tree_attention_reference(
 
     poisoned = bad_q & seen.any(dim=-1)
     poisoned |= (seen & (bad_kv[:, :, None, :] | bad_bias | overflow)).any(dim=-1)
+
+    if sinks is not None:
+        sink = sinks.detach().cpu().float().double()[None, :, None].expand(B, Hq, T)  # [B, Hq, T]
+        # A NaN or +inf sink poisons its head's rows; -inf is no sink.
+        poisoned |= torch.isnan(sink) | torch.isposinf(sink)
+        sink = torch.where(torch.isfinite(sink), sink, -math.inf)
+        scores = torch.cat([scores, sink[..., None]], dim=-1)
+        v = torch.cat([v, v.new_zeros(B, Hq, 1, D)], dim=2)
 
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse[..., None])

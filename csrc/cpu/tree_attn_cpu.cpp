@@ -242,7 +242,7 @@ void block_scores(const float* k, int64_t k_stride, int64_t nj, const float* qt,
 }
 
 // O[r][d] += sum_j P^T[j][r] V[j][d] for nj keys, all rp rows (a multiple of kRowTile) and
-// D dims (64, 96, 128 or 256: a multiple of kWide * kLanes).
+// D dims (64, 96, 128, 256 or 512: a multiple of kWide * kLanes).
 void block_values(const float* pt, int64_t rp, const float* vv, int64_t v_stride, int64_t nj, int64_t D,
                   float* o) {
   for (int64_t r = 0; r < rp; r += kRowTile)
@@ -459,21 +459,27 @@ float* thread_scratch(int64_t floats) {
   return buffer.get();
 }
 
-template <typename scalar_t>
+// scalar_t: the K/V dtype; query_t: the query's and output's (scalar_t, or float over
+// half/bfloat16 K/V).
+template <typename scalar_t, typename query_t>
 struct Kernel {
   const Prepared& in;
   const Problem& p;
   const Plan& plan;
   const int32_t* offsets;  // null: all zero
+  const float* sinks;      // [Hq] float32; null: none
 
-  // bfloat16 takes the dot-product path when the CPU has it.
-  static constexpr bool kBf16Dot = TREE_ATTN_BF16_DOT && std::is_same_v<scalar_t, at::BFloat16>;
+  // bfloat16 takes the dot-product path when the CPU has it. A float32 query over
+  // bfloat16 K/V stays on the float path: rounding the query to bfloat16 would lose the
+  // precision the caller kept.
+  static constexpr bool kBf16Dot = TREE_ATTN_BF16_DOT && std::is_same_v<scalar_t, at::BFloat16> &&
+                                   std::is_same_v<query_t, at::BFloat16>;
 
   int64_t offset(int64_t b) const { return offsets ? offsets[b] : 0; }
   int64_t head_of(int64_t h, int64_t row) const { return h * p.G + row / p.T; }
 
-  const scalar_t* query_row(int64_t b, int64_t h, int64_t row) const {
-    return in.query.data_ptr<scalar_t>() + b * p.q_stride[0] + head_of(h, row) * p.q_stride[1] +
+  const query_t* query_row(int64_t b, int64_t h, int64_t row) const {
+    return in.query.data_ptr<query_t>() + b * p.q_stride[0] + head_of(h, row) * p.q_stride[1] +
            (row % p.T) * p.q_stride[2];
   }
 
@@ -485,13 +491,13 @@ struct Kernel {
       auto* words = reinterpret_cast<uint32_t*>(qt);
       std::fill(words, words + p.D / 2 * rp, 0u);
       for (int64_t r = 0; r < nr; ++r) {
-        const scalar_t* src = query_row(b, h, r0 + r);
+        const query_t* src = query_row(b, h, r0 + r);
         for (int64_t d2 = 0; d2 < p.D / 2; ++d2) std::memcpy(&words[d2 * rp + r], src + 2 * d2, 4);
       }
     } else {
       std::fill(qt, qt + p.D * rp, 0.0f);
       for (int64_t r = 0; r < nr; ++r) {
-        const scalar_t* src = query_row(b, h, r0 + r);
+        const query_t* src = query_row(b, h, r0 + r);
         for (int64_t d = 0; d < p.D; ++d) qt[d * rp + r] = float(src[d]) * p.scale;
       }
     }
@@ -739,22 +745,35 @@ struct Kernel {
     }
   }
 
-  // Normalised output and lse of rows [r0, r0 + nr) from a finished softmax state.
+  // Normalised output and lse of rows [r0, r0 + nr) from a finished softmax state. A
+  // sink joins the denominator here, once per row: lse = log(l e^m + e^sink) and
+  // out = O e^(m - lse). A sink of -inf is none; NaN or +inf poisons the row.
   void write_rows(int64_t b, int64_t h, int64_t r0, int64_t nr, const State& state, at::Tensor& out,
                   at::Tensor& lse) const {
-    scalar_t* o = out.data_ptr<scalar_t>();
+    query_t* o = out.data_ptr<query_t>();
     float* ls = lse.data_ptr<float>();
     for (int64_t r = 0; r < nr; ++r) {
-      const int64_t row = r0 + r, i = (b * p.Hq + head_of(h, row)) * p.T + row % p.T;
+      const int64_t head = head_of(h, r0 + r), i = (b * p.Hq + head) * p.T + (r0 + r) % p.T;
       const float* src = state.o + r * p.D;
-      // Poisoned: l is NaN (a non-finite score or window value it sees), or O is not
-      // finite (a non-finite value of a prefix key, carried through P V).
-      const bool poisoned = std::isnan(state.l[r]) || !all_finite(src, p.D);
+      const float sink = sinks ? sinks[head] : -kInf;
+      // Poisoned: l is NaN (a non-finite score or window value it sees), O is not finite
+      // (a non-finite value of a prefix key, carried through P V), or the sink is.
+      const bool poisoned = std::isnan(state.l[r]) || !all_finite(src, p.D) || std::isnan(sink) || sink == kInf;
       const bool sees_none = state.l[r] == 0.0f;
-      const float inv = poisoned ? kNaN : sees_none ? 0.0f : 1.0f / state.l[r];
-      scalar_t* dst = o + i * p.D;
-      for (int64_t d = 0; d < p.D; ++d) dst[d] = scalar_t(src[d] * inv);
-      ls[i] = poisoned ? kNaN : sees_none ? -kInf : state.m[r] + std::log(state.l[r]);
+      float row_lse = -kInf, weight = 0.0f;  // out = O * weight
+      if (poisoned) {
+        row_lse = weight = kNaN;
+      } else if (sees_none) {
+        row_lse = sink;
+      } else {
+        const float keys_lse = state.m[r] + std::log(state.l[r]);
+        row_lse = sink == -kInf ? keys_lse
+                                : std::max(keys_lse, sink) + std::log1p(std::exp(-std::abs(keys_lse - sink)));
+        weight = sink == -kInf ? 1.0f / state.l[r] : std::exp(state.m[r] - row_lse);
+      }
+      query_t* dst = o + i * p.D;
+      for (int64_t d = 0; d < p.D; ++d) dst[d] = query_t(src[d] * weight);
+      ls[i] = row_lse;
     }
   }
 
@@ -831,11 +850,18 @@ void forward_cpu_impl(const Prepared& in, at::Tensor& out, at::Tensor& lse) {
   if (offsets)
     for (int64_t b = 0; b < p.B; ++b) max_keys = std::max<int64_t>(max_keys, offsets[b] + p.M);
   const Plan plan = make_plan(p, max_keys);
-  switch (p.dtype) {
-    case at::kFloat: return Kernel<float>{in, p, plan, offsets}.run(out, lse);
-    case at::kHalf: return Kernel<at::Half>{in, p, plan, offsets}.run(out, lse);
-    case at::kBFloat16: return Kernel<at::BFloat16>{in, p, plan, offsets}.run(out, lse);
-    default: TORCH_CHECK(false, "tree_attn CPU kernel: unexpected dtype ", p.dtype);  // prepare() rejects it
+  const float* sinks = p.has_sinks ? in.sinks.data_ptr<float>() : nullptr;
+  // prepare() admits exactly these (query, key/value) pairs.
+  const bool f32_query = p.q_dtype == at::kFloat;
+  switch (p.kv_dtype) {
+    case at::kFloat: return Kernel<float, float>{in, p, plan, offsets, sinks}.run(out, lse);
+    case at::kHalf:
+      if (f32_query) return Kernel<at::Half, float>{in, p, plan, offsets, sinks}.run(out, lse);
+      return Kernel<at::Half, at::Half>{in, p, plan, offsets, sinks}.run(out, lse);
+    case at::kBFloat16:
+      if (f32_query) return Kernel<at::BFloat16, float>{in, p, plan, offsets, sinks}.run(out, lse);
+      return Kernel<at::BFloat16, at::BFloat16>{in, p, plan, offsets, sinks}.run(out, lse);
+    default: TORCH_CHECK(false, "tree_attn CPU kernel: unexpected dtype ", p.kv_dtype);  // prepare() rejects it
   }
 }
 

@@ -82,7 +82,12 @@ const char* role_name(BufferRole role) {
 Plan make_plan(const Prepared& in) {
   const Problem& p = in.p;
   Plan plan;
-  plan.qkv_element_bytes = uint32_t(at::elementSize(p.dtype));
+  // Limits of the current shader set, checked before anything is encoded.
+  TORCH_CHECK_VALUE(p.D <= 256, "tree attention: the Metal kernels support D up to 256 so far, got D=", p.D);
+  TORCH_CHECK_TYPE(p.q_dtype == p.kv_dtype, "tree attention: the Metal kernels need one dtype for query, key and "
+                   "value so far, got query ", p.q_dtype, " over key/value ", p.kv_dtype);
+  TORCH_CHECK_VALUE(!p.has_sinks, "tree attention: the Metal kernels do not support sinks yet");
+  plan.qkv_element_bytes = uint32_t(at::elementSize(p.kv_dtype));
   plan.out_element_bytes = plan.qkv_element_bytes;
   plan.mask_element_bytes = p.mask_kind == MaskKind::Bool ? 1 : 4;
   TORCH_CHECK_TYPE(in.mask.scalar_type() == (p.mask_kind == MaskKind::Bool ? at::kBool : at::kFloat),
@@ -141,7 +146,7 @@ Plan make_plan(const Prepared& in) {
   plan.partial_l_offset = align_up(plan.partial_m_offset + ml_bytes, 256, "scratch size");
   plan.scratch_bytes = align_up(plan.partial_l_offset + ml_bytes, 256, "scratch size");
 
-  const std::string tag = dtype_tag(p.dtype);
+  const std::string tag = dtype_tag(p.kv_dtype);
   const std::string d = std::to_string(p.D);
   const int64_t simdgroups = TREE_ATTN_SIMDGROUPS(p.D);
 

@@ -118,8 +118,8 @@ struct SimBackend {
 #define TREE_ATTN_ARGS_DECL                                                                           \
   const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &mask, \
       const c10::optional<at::Tensor>&mask_offset, c10::optional<double> scale,                     \
-      c10::optional<double> softcap
-#define TREE_ATTN_ARGS query, key, value, mask, mask_offset, scale, softcap
+      c10::optional<double> softcap, const c10::optional<at::Tensor>&sinks
+#define TREE_ATTN_ARGS query, key, value, mask, mask_offset, scale, softcap, sinks
 
 Prepared prepare_for_sim(TREE_ATTN_ARGS_DECL) {
   Prepared in = prepare(TREE_ATTN_ARGS, SimBackend::kOffsetCheck);
