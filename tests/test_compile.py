@@ -34,6 +34,13 @@ OPCHECK_CASES = [
     Case(B=2, Hq=4, Hkv=4, T=3, S=20, D=96, dtype=torch.float16, mask_kind="float_min", kv_layout="bshd",
          mask_shape="none", offset_dtype=torch.int32),
     Case(B=1, Hq=2, Hkv=1, T=4, S=9, D=128, window="empty", mask_shape="heads", softcap=10.0, scale=0.2),
+    # The contract for real models: sinks (gpt-oss), D=512 (Gemma 4), a float32 query over
+    # a half cache.
+    Case(B=2, Hq=4, Hkv=2, T=5, S=30, D=64, sinks=torch.float32, mask_kind="float"),
+    Case(B=1, Hq=4, Hkv=1, T=3, S=12, D=512, dtype=torch.bfloat16, sinks=torch.bfloat16),
+    Case(B=2, Hq=4, Hkv=2, T=4, S=20, D=128, dtype=torch.float32, kv_dtype=torch.bfloat16, kv_layout="bshd"),
+    Case(B=1, Hq=2, Hkv=1, T=4, S=16, D=256, dtype=torch.float32, kv_dtype=torch.float16, sinks=torch.float32,
+         softcap=20.0),
 ]
 
 
@@ -53,6 +60,39 @@ def test_fake_outputs_match_real_outputs():
         fake_out, fake_lse = ops.forward_with_lse(*fake_args)
     for real, fake in ((real_out, fake_out), (real_lse, fake_lse)):
         assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES[4:], ids=str)
+def test_fullgraph_compile_with_sinks_and_mixed_dtypes(case):
+    inputs = make_inputs(case)
+
+    def attend(q, k, v, mask, off, sinks):
+        return torch_tree_attn.tree_attention(q, k, v, mask, off, softcap=case.softcap, sinks=sinks,
+                                              return_lse=True)
+
+    args = (inputs["query"], inputs["key"], inputs["value"], inputs["mask"], inputs["mask_offset"], inputs["sinks"])
+    counter = CompileCounterWithBackend("inductor")
+    got = torch.compile(attend, backend=counter, fullgraph=True)(*args)
+    expected = attend(*args)
+    assert counter.frame_count == 1
+    assert got[0].dtype == case.dtype
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_bad_calls_raise_while_tracing():
+    # The fake checks the new rules too: a compiled function with a bad sinks tensor or
+    # dtype pair fails at trace time with the contract's message.
+    inputs = make_inputs(Case(B=1, Hq=4, Hkv=1, T=3, S=10))
+
+    def attend(q, k, v, mask, off, sinks):
+        return torch_tree_attn.tree_attention(q, k, v, mask, off, sinks=sinks)
+
+    q, k, v, mask, off = (inputs[n] for n in ("query", "key", "value", "mask", "mask_offset"))
+    with pytest.raises(Exception, match=r"sinks must have shape \[Hq\] = \[4\], got \[3\]"):
+        torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, mask, off, torch.zeros(3))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"got query Half, key Float, value Float"):
+        torch.compile(attend, backend="aot_eager", fullgraph=True)(q.half(), k, v, mask, off, None)
 
 
 def test_fullgraph_compile_matches_eager():
