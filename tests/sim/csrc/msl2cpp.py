@@ -10,6 +10,8 @@ directives), so a C++ compile error points at the .metal line. What it does:
   `threadgroup T*` -> metal::threadgroup_ptr<T>, `device const T&` / `constant T&` -> `const T&`,
   `thread` is dropped, program-scope `constant T x = ...;` -> `static const T x = ...;`;
 - `threadgroup T name[N]...;` in a function body -> one shared allocation per threadgroup;
+- function-like macros that produce attributes (kernel instantiation tables) are expanded
+  by the translator itself, which must read those attributes;
 - kernels (`kernel`/`[[kernel]]`) lose their attributes; each non-template kernel and each
   explicit instantiation `template [[host_name("n")]] [[kernel]] void f<...>(...);` gets a
   launcher and a registry entry built from its parameter attributes;
@@ -539,8 +541,8 @@ class Translator:
         sub.check_identifiers_and_literals()
         for tok in sub.tokens:
             if tok.kind == "attr":
-                self.error(t.line, "attributes inside #define are not supported: write kernels and their "
-                                   "instantiations without macros")
+                self.error(t.line, "attributes inside #define are supported only in function-like "
+                                   "instantiation macros, expanded at file scope")
         sub.rewrite_address_spaces(inside_define=True)
         return "#define" + "".join(tok.emit() for tok in sub.tokens) + sub.trailing
 
