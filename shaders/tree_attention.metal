@@ -43,13 +43,20 @@ inline float mask_bias(float bias) { return bias; }
 // split s that batch row b may see, [s * split_keys, (s + 1) * split_keys) cut to
 // [0, min(off_b + M, S)), in chunks of 32, and writes for every row an unnormalised
 // partial output with its running max and sum (flash-decoding style).
-// Simdgroup k owns rows [k * 32 / NSG, (k + 1) * 32 / NSG) of the block; lane l owns head
-// dims l, l + 32, ... of those rows' query (pre-scaled, float) and accumulator, and key l
-// of every chunk for the softmax.
+// Simdgroup k owns rows [k * 32 / NSG, (k + 1) * 32 / NSG) of the block (NSG = 4, 8, 16
+// for D <= 128, 256, 512: at most 2 x 4 x D/32 <= 64 float registers of query and
+// accumulator per lane, at most 512 threads); lane l owns head dims l, l + 32, ... of
+// those rows' query (pre-scaled, float) and accumulator, and key l of every chunk for the
+// softmax. The query (type QT) may be wider than K/V (type KVT): it is converted to float
+// once, K and V are staged and read as KVT.
+// Staging: a chunk's K (then V) is staged in threadgroup memory as 32 keys x SLICE_D dims,
+// in D / SLICE_D slices of the head dim, SLICE_D the widest that fits 32 KB (D, except
+// float32 at D = 512: two slices of 256). Scores sum per-slice partial dots (the
+// transpose-reduce is linear); P.V accumulates each slice's dims.
 // Traffic: each K and V byte in the visible range is fetched from device memory once per
-// threadgroup (staged in threadgroup memory) and serves all 32 rows of the block, i.e.
-// ceil(G * T / 32) times per call, not G * T times. A chunk whose window mask hides it
-// from every row of the block is never fetched.
+// threadgroup (staged in threadgroup memory, each byte in exactly one slice) and serves
+// all 32 rows of the block, i.e. ceil(G * T / 32) times per call, not G * T times. A
+// chunk whose window mask hides it from every row of the block is never fetched.
 //
 // Non-finite values (README, "Non-finite values"). A row sees key j when its bias is not
 // -inf (prefix keys: 0; window keys: the mask, a NaN bias counts as seen; keys at or past
@@ -66,24 +73,23 @@ inline float mask_bias(float bias) { return bias; }
 //    non-finite, and a non-finite accumulator stays non-finite (rescaling multiplies by a
 //    finite factor, additions cannot cancel inf or NaN), so at the end the row is poisoned
 //    if its flag is set or any of its accumulator elements is not finite. This needs no
-//    per-key flag in threadgroup memory (the tile already takes the whole 32 KB for
-//    float32 at D = 256) and no read or barrier beyond the unpoisoned kernel's;
+//    per-key flag in threadgroup memory (the tile may take the whole 32 KB) and no read or barrier beyond the unpoisoned kernel's;
 //  - a poisoned row writes its partial with m = l = NaN; the reduce pass gives NaN output
 //    and NaN lse to a row with any poisoned split. A row that sees nothing in a split
 //    writes m = -inf, l = 0, o = 0 there, whatever its query holds.
 // ---------------------------------------------------------------------------------------
-template <typename T, int D, typename MaskT>
+template <typename QT, typename KVT, int D, typename MaskT>
 [[kernel]] void tree_attn_main(
     constant TreeAttnParams& p [[buffer(0)]],
-    device const T* query [[buffer(1)]],
-    device const T* key [[buffer(2)]],
-    device const T* value [[buffer(3)]],
+    device const QT* query [[buffer(1)]],
+    device const KVT* key [[buffer(2)]],
+    device const KVT* value [[buffer(3)]],
     device const MaskT* mask [[buffer(4)]],
     device const int* offsets [[buffer(5)]],
     device float* partial_o [[buffer(6)]],  // [B, Hq, T, n_splits, D]
     device float* partial_m [[buffer(7)]],  // [B, Hq, T, n_splits]
     device float* partial_l [[buffer(8)]],  // [B, Hq, T, n_splits]
-    threadgroup T* kv_tile [[threadgroup(0)]],  // [32 keys][D]: K, then V, of one chunk
+    threadgroup KVT* kv_tile [[threadgroup(0)]],  // [32 keys][SLICE_D]: K, then V, slice by slice
     uint3 group [[threadgroup_position_in_grid]],
     uint thread_index [[thread_index_in_threadgroup]],
     ushort simd_index [[simdgroup_index_in_threadgroup]],
@@ -93,6 +99,9 @@ template <typename T, int D, typename MaskT>
   constexpr int DPL = D / TREE_ATTN_SIMD_WIDTH;     // head dims per lane
   constexpr int CHUNK = TREE_ATTN_CHUNK_KEYS;
   constexpr int THREADS = NSG * TREE_ATTN_SIMD_WIDTH;
+  constexpr int SLICE_D = TREE_ATTN_SLICE_DIMS(D, sizeof(KVT));  // head dims per staged slice
+  constexpr int SLICES = D / SLICE_D;
+  constexpr int DPS = SLICE_D / TREE_ATTN_SIMD_WIDTH;             // dims per lane per slice
 
   const int split = int(group.x);
   const int b = int(group.z) / p.Hkv;
@@ -162,12 +171,12 @@ template <typename T, int D, typename MaskT>
 
     // Only a chunk inside the window can be hidden from every row. Decide for the whole
     // threadgroup before fetching K. The flags borrow the tile: it is free between chunks
-    // and any extra threadgroup array would overflow 32 KB for float32 at D = 256.
+    // and it may take all 32 KB.
     if (chunk >= off) {
       bool seen = false;
       for (int r = 0; r < ROWS; ++r) seen = seen || !(bias[r] == -INFINITY);
       const bool simdgroup_sees = simd_any(seen);
-      if (lane == 0) kv_tile[simd_index] = T(simdgroup_sees ? 1.0f : 0.0f);
+      if (lane == 0) kv_tile[simd_index] = KVT(simdgroup_sees ? 1.0f : 0.0f);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       bool block_sees = false;
       for (int k = 0; k < NSG; ++k) block_sees = block_sees || float(kv_tile[k]) != 0.0f;
@@ -175,31 +184,39 @@ template <typename T, int D, typename MaskT>
       if (!block_sees) continue;
     }
 
-    // Stage K; rows past the range are zero-filled, never read.
-    for (int e = int(thread_index); e < CHUNK * D; e += THREADS) {
-      const int k = e / D;
-      const int d = e % D;
-      kv_tile[e] = k < chunk_len ? key[k_base + long(chunk + k) * p.k_stride_s + d] : T(0.0f);
+    // Raw scores (scale * q.k), slice by slice: lane j ends with raw[r] of key j. K rows
+    // past the range are zero-filled, never read.
+    float raw[ROWS];
+    for (int r = 0; r < ROWS; ++r) raw[r] = 0.0f;
+    for (int s = 0; s < SLICES; ++s) {
+      if (s > 0) threadgroup_barrier(mem_flags::mem_threadgroup);  // the last slice is read
+      for (int e = int(thread_index); e < CHUNK * SLICE_D; e += THREADS) {
+        const int k = e / SLICE_D;
+        const int d = s * SLICE_D + e % SLICE_D;
+        kv_tile[e] = k < chunk_len ? key[k_base + long(chunk + k) * p.k_stride_s + d] : KVT(0.0f);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int r = 0; r < ROWS; ++r) {
+        float partial[CHUNK];
+        for (int k = 0; k < CHUNK; ++k) {
+          float dot = 0.0f;
+          for (int i = 0; i < DPS; ++i) dot += q[r][s * DPS + i] * float(kv_tile[k * SLICE_D + lane + i * 32]);
+          partial[k] = dot;
+        }
+        raw[r] += simd_transpose_sum(partial, lane);
+      }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // Scores and online softmax, one row at a time; afterwards lane j holds in weight[r]
-    // the unnormalised probability of key j for row r if the row sees the key (0 when it
-    // is poisoned), and -1 if it does not.
+    // Online softmax, one row at a time; afterwards lane j holds in weight[r] the
+    // unnormalised probability of key j for row r if the row sees the key (0 when it is
+    // poisoned), and -1 if it does not.
     float weight[ROWS];
     for (int r = 0; r < ROWS; ++r) {
-      float partial[CHUNK];
-      for (int k = 0; k < CHUNK; ++k) {
-        float dot = 0.0f;
-        for (int i = 0; i < DPL; ++i) dot += q[r][i] * float(kv_tile[k * D + lane + i * 32]);
-        partial[k] = dot;
-      }
-      const float raw = simd_transpose_sum(partial, lane);
       // Selection, not arithmetic: an unseen entry is -inf whatever raw holds.
       const bool seen = !(bias[r] == -INFINITY);
-      const bool bad = seen && !(isfinite(raw) && isfinite(bias[r]));
+      const bool bad = seen && !(isfinite(raw[r]) && isfinite(bias[r]));
       poison[r] = poison[r] || bad;
-      float score = raw;
+      float score = raw[r];
       if (p.softcap > 0.0f) score = p.softcap * tanh(score / p.softcap);
       score = (seen && !bad) ? score + bias[r] : -INFINITY;
 
@@ -213,26 +230,27 @@ template <typename T, int D, typename MaskT>
       weight[r] = seen ? prob : -1.0f;
       for (int i = 0; i < DPL; ++i) o[r][i] *= rescale;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // Stage V into the same tile.
-    for (int e = int(thread_index); e < CHUNK * D; e += THREADS) {
-      const int k = e / D;
-      const int d = e % D;
-      kv_tile[e] = k < chunk_len ? value[v_base + long(chunk + k) * p.v_stride_s + d] : T(0.0f);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    // Only the keys a row sees enter its accumulator (w = -1: unseen; w is the same in
-    // every lane, so the branch does not diverge). A seen key's non-finite value makes
-    // the accumulator non-finite even at weight 0: that is how it poisons the row.
-    for (int k = 0; k < chunk_len; ++k) {
-      float v[DPL];
-      for (int i = 0; i < DPL; ++i) v[i] = float(kv_tile[k * D + lane + i * 32]);
-      for (int r = 0; r < ROWS; ++r) {
-        const float w = simd_broadcast(weight[r], ushort(k));
-        if (w >= 0.0f) {
-          for (int i = 0; i < DPL; ++i) o[r][i] += w * v[i];
+    // P.V, slice by slice, V staged into the same tile. Only the keys a row sees enter
+    // its accumulator (w = -1: unseen; w is the same in every lane, so the branch does
+    // not diverge). A seen key's non-finite value makes the accumulator non-finite even
+    // at weight 0: that is how it poisons the row.
+    for (int s = 0; s < SLICES; ++s) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // K (or the last V slice) is read
+      for (int e = int(thread_index); e < CHUNK * SLICE_D; e += THREADS) {
+        const int k = e / SLICE_D;
+        const int d = s * SLICE_D + e % SLICE_D;
+        kv_tile[e] = k < chunk_len ? value[v_base + long(chunk + k) * p.v_stride_s + d] : KVT(0.0f);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int k = 0; k < chunk_len; ++k) {
+        float v[DPS];
+        for (int i = 0; i < DPS; ++i) v[i] = float(kv_tile[k * SLICE_D + lane + i * 32]);
+        for (int r = 0; r < ROWS; ++r) {
+          const float w = simd_broadcast(weight[r], ushort(k));
+          if (w >= 0.0f) {
+            for (int i = 0; i < DPS; ++i) o[r][s * DPS + i] += w * v[i];
+          }
         }
       }
     }
@@ -266,6 +284,9 @@ template <typename T, int D, typename MaskT>
 // in a fixed order, so results are deterministic. A split whose m is NaN is poisoned
 // (see the main pass): the row's output is NaN in every element and its lse NaN, whatever
 // the other splits hold.
+// Sinks join here, once per row (lane 0 reads the head's sink when the call has sinks):
+// lse = logaddexp(keys' lse, sink), out = O e^(m - lse); a row that sees no key gets
+// out 0 and lse = sink; a sink of -inf is none, a NaN or +inf sink poisons the row.
 // ---------------------------------------------------------------------------------------
 template <typename T, int D>
 [[kernel]] void tree_attn_reduce(
@@ -275,6 +296,7 @@ template <typename T, int D>
     device const float* partial_l [[buffer(3)]],
     device T* out [[buffer(4)]],      // [B, Hq, T, D] contiguous
     device float* lse [[buffer(5)]],  // [B, Hq, T] contiguous
+    device const float* sinks [[buffer(6)]],  // [Hq]; read only if p.has_sinks
     uint group [[threadgroup_position_in_grid]],
     ushort simd_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
@@ -287,7 +309,12 @@ template <typename T, int D>
   const bool my_split = int(lane) < n_splits;
   const float m_split = my_split ? partial_m[row * n_splits + lane] : -INFINITY;
   const float l_split = my_split ? partial_l[row * n_splits + lane] : 0.0f;
-  const bool poisoned = simd_any(isnan(m_split));
+  float sink = -INFINITY;
+  if (p.has_sinks != 0) {
+    const float mine = lane == 0 ? sinks[(row / p.T) % p.Hq] : 0.0f;
+    sink = simd_broadcast(mine, ushort(0));
+  }
+  const bool poisoned = simd_any(isnan(m_split)) || isnan(sink) || sink == INFINITY;
   const float m_all = simd_max(m_split);
   // Splits that saw nothing (m = -inf) weigh 0; if no split saw anything, all weigh 0.
   const float w_split = m_split == -INFINITY ? 0.0f : exp(m_split - m_all);
@@ -302,284 +329,65 @@ template <typename T, int D>
   }
   // A poisoned row reads its partials like any other (the traffic model counts them all)
   // and discards them.
-  const float inv_l = l_all > 0.0f ? 1.0f / l_all : 0.0f;
-  for (int i = 0; i < DPL; ++i) out[row * D + lane + i * 32] = T(poisoned ? NAN : acc[i] * inv_l);
-  if (lane == 0) lse[row] = poisoned ? NAN : l_all > 0.0f ? m_all + log(l_all) : -INFINITY;
+  // out = acc * weight. Without a sink weight = 1 / l; with one, e^(m - lse).
+  float row_lse = sink;
+  float weight = 0.0f;
+  if (l_all > 0.0f) {
+    const float keys_lse = m_all + log(l_all);
+    if (sink == -INFINITY) {
+      row_lse = keys_lse;
+      weight = 1.0f / l_all;
+    } else {
+      row_lse = max(keys_lse, sink) + log(1.0f + exp(-fabs(keys_lse - sink)));
+      weight = exp(m_all - row_lse);
+    }
+  }
+  for (int i = 0; i < DPL; ++i) out[row * D + lane + i * 32] = T(poisoned ? NAN : acc[i] * weight);
+  if (lane == 0) lse[row] = poisoned ? NAN : row_lse;
 }
 
 // ---------------------------------------------------------------------------------------
-// Instantiations: tree_attn_main_<dtype>_d<D>_<mask> and tree_attn_reduce_<dtype>_d<D>,
-// dtype in {f32, f16, bf16}, mask in {bool, float} (csrc/plan.cpp builds the same names).
-// Spelled out, parameter attributes included, because the simulator's translator reads
-// them (tests/sim/csrc/SUBSET.md: no attributes inside macros).
+// Instantiations, from one table: tree_attn_main_<types>_d<D>_<mask> and
+// tree_attn_reduce_<out>_d<D>; <types> is f32, f16, bf16 (query and K/V alike) or
+// f32_f16, f32_bf16 (a float32 query over a half-precision cache), mask bool or float,
+// D in {64, 96, 128, 256, 512}: 50 main and 15 reduce kernels. csrc/metal/plan.cpp builds
+// the same names.
 // ---------------------------------------------------------------------------------------
+#define TREE_ATTN_MAIN_KERNEL(QT, KVT, TAG, D, MASKT, MTAG)                                               \
+  template [[host_name("tree_attn_main_" #TAG "_d" #D "_" #MTAG)]] [[kernel]] void                      \
+  tree_attn_main<QT, KVT, D, MASKT>(                                                                     \
+      constant TreeAttnParams& p [[buffer(0)]], device const QT* query [[buffer(1)]],                    \
+      device const KVT* key [[buffer(2)]], device const KVT* value [[buffer(3)]],                        \
+      device const MASKT* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],                   \
+      device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],                      \
+      device float* partial_l [[buffer(8)]], threadgroup KVT* kv_tile [[threadgroup(0)]],                \
+      uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],   \
+      ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
 
-// float
-template [[host_name("tree_attn_main_f32_d64_bool")]] [[kernel]] void tree_attn_main<float, 64, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
-    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f32_d64_float")]] [[kernel]] void tree_attn_main<float, 64, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
-    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f32_d96_bool")]] [[kernel]] void tree_attn_main<float, 96, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
-    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f32_d96_float")]] [[kernel]] void tree_attn_main<float, 96, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
-    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f32_d128_bool")]] [[kernel]] void tree_attn_main<float, 128, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
-    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f32_d128_float")]] [[kernel]] void tree_attn_main<float, 128, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
-    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f32_d256_bool")]] [[kernel]] void tree_attn_main<float, 256, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
-    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f32_d256_float")]] [[kernel]] void tree_attn_main<float, 256, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* query [[buffer(1)]],
-    device const float* key [[buffer(2)]], device const float* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup float* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_f32_d64")]] [[kernel]] void tree_attn_reduce<float, 64>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device float* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_f32_d96")]] [[kernel]] void tree_attn_reduce<float, 96>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device float* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_f32_d128")]] [[kernel]] void tree_attn_reduce<float, 128>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device float* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_f32_d256")]] [[kernel]] void tree_attn_reduce<float, 256>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device float* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
+#define TREE_ATTN_REDUCE_KERNEL(T, TAG, D)                                                                \
+  template [[host_name("tree_attn_reduce_" #TAG "_d" #D)]] [[kernel]] void tree_attn_reduce<T, D>(       \
+      constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],             \
+      device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],          \
+      device T* out [[buffer(4)]], device float* lse [[buffer(5)]], device const float* sinks [[buffer(6)]], \
+      uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],  \
+      ushort lane [[thread_index_in_simdgroup]]);
 
-// half
-template [[host_name("tree_attn_main_f16_d64_bool")]] [[kernel]] void tree_attn_main<half, 64, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
-    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f16_d64_float")]] [[kernel]] void tree_attn_main<half, 64, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
-    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f16_d96_bool")]] [[kernel]] void tree_attn_main<half, 96, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
-    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f16_d96_float")]] [[kernel]] void tree_attn_main<half, 96, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
-    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f16_d128_bool")]] [[kernel]] void tree_attn_main<half, 128, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
-    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f16_d128_float")]] [[kernel]] void tree_attn_main<half, 128, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
-    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f16_d256_bool")]] [[kernel]] void tree_attn_main<half, 256, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
-    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_f16_d256_float")]] [[kernel]] void tree_attn_main<half, 256, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const half* query [[buffer(1)]],
-    device const half* key [[buffer(2)]], device const half* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup half* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_f16_d64")]] [[kernel]] void tree_attn_reduce<half, 64>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device half* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_f16_d96")]] [[kernel]] void tree_attn_reduce<half, 96>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device half* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_f16_d128")]] [[kernel]] void tree_attn_reduce<half, 128>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device half* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_f16_d256")]] [[kernel]] void tree_attn_reduce<half, 256>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device half* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
+#define TREE_ATTN_MAIN_KERNELS(QT, KVT, TAG, D) \
+  TREE_ATTN_MAIN_KERNEL(QT, KVT, TAG, D, uchar, bool) TREE_ATTN_MAIN_KERNEL(QT, KVT, TAG, D, float, float)
 
-// bfloat
-template [[host_name("tree_attn_main_bf16_d64_bool")]] [[kernel]] void tree_attn_main<bfloat, 64, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
-    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_bf16_d64_float")]] [[kernel]] void tree_attn_main<bfloat, 64, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
-    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_bf16_d96_bool")]] [[kernel]] void tree_attn_main<bfloat, 96, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
-    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_bf16_d96_float")]] [[kernel]] void tree_attn_main<bfloat, 96, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
-    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_bf16_d128_bool")]] [[kernel]] void tree_attn_main<bfloat, 128, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
-    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_bf16_d128_float")]] [[kernel]] void tree_attn_main<bfloat, 128, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
-    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_bf16_d256_bool")]] [[kernel]] void tree_attn_main<bfloat, 256, uchar>(
-    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
-    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
-    device const uchar* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_main_bf16_d256_float")]] [[kernel]] void tree_attn_main<bfloat, 256, float>(
-    constant TreeAttnParams& p [[buffer(0)]], device const bfloat* query [[buffer(1)]],
-    device const bfloat* key [[buffer(2)]], device const bfloat* value [[buffer(3)]],
-    device const float* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],
-    device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],
-    device float* partial_l [[buffer(8)]], threadgroup bfloat* kv_tile [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],
-    ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_bf16_d64")]] [[kernel]] void tree_attn_reduce<bfloat, 64>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device bfloat* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_bf16_d96")]] [[kernel]] void tree_attn_reduce<bfloat, 96>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device bfloat* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_bf16_d128")]] [[kernel]] void tree_attn_reduce<bfloat, 128>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device bfloat* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
-template [[host_name("tree_attn_reduce_bf16_d256")]] [[kernel]] void tree_attn_reduce<bfloat, 256>(
-    constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],
-    device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],
-    device bfloat* out [[buffer(4)]], device float* lse [[buffer(5)]],
-    uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]);
+// The table: every (query type, K/V type) pair and every output type, per head dim.
+#define TREE_ATTN_KERNELS(D)                     \
+  TREE_ATTN_MAIN_KERNELS(float, float, f32, D)   \
+  TREE_ATTN_MAIN_KERNELS(half, half, f16, D)     \
+  TREE_ATTN_MAIN_KERNELS(bfloat, bfloat, bf16, D) \
+  TREE_ATTN_MAIN_KERNELS(float, half, f32_f16, D) \
+  TREE_ATTN_MAIN_KERNELS(float, bfloat, f32_bf16, D) \
+  TREE_ATTN_REDUCE_KERNEL(float, f32, D)         \
+  TREE_ATTN_REDUCE_KERNEL(half, f16, D)          \
+  TREE_ATTN_REDUCE_KERNEL(bfloat, bf16, D)
+
+TREE_ATTN_KERNELS(64)
+TREE_ATTN_KERNELS(96)
+TREE_ATTN_KERNELS(128)
+TREE_ATTN_KERNELS(256)
+TREE_ATTN_KERNELS(512)

@@ -31,8 +31,18 @@ enum TreeAttnTiling {
 };
 
 // Simdgroups per main-kernel threadgroup for head dim D: wider heads get more simdgroups
-// so each lane keeps at most 8 x D/32 query and 8 x D/32 accumulator values in registers.
-#define TREE_ATTN_SIMDGROUPS(D) ((D) <= 128 ? 4 : 8)
+// so each lane keeps at most 8 x D/32 query and 8 x D/32 accumulator values in registers
+// (at most 64 floats: 4 rows at D = 256, 2 at D = 512). At most 16, i.e. 512 threads:
+// Apple pipelines may allow fewer than 1024 threads per threadgroup.
+#define TREE_ATTN_SIMDGROUPS(D) ((D) <= 128 ? 4 : (D) <= 256 ? 8 : 16)
+
+// Threadgroup memory of the main kernel's K/V tile, and the head dims staged at once: a
+// chunk (32 keys) of K or V is staged in D / TREE_ATTN_SLICE_DIMS slices of the head dim,
+// D, or D / 2 where 32 keys x D elements exceed 32 KB (only float32 at D = 512; the plan
+// checks the tile fits).
+#define TREE_ATTN_TILE_BYTES 32768
+#define TREE_ATTN_SLICE_DIMS(D, ELEMENT_BYTES) \
+  ((D) * (ELEMENT_BYTES) * 32 <= TREE_ATTN_TILE_BYTES ? (D) : (D) / 2)
 
 struct TreeAttnParams {
   // Element strides; the head dim always has stride 1. A broadcast dim has stride 0.
@@ -48,11 +58,13 @@ struct TreeAttnParams {
   tree_attn_i32 split_keys, n_splits;
   tree_attn_i32 n_row_blocks;  // ceil(G * T / TREE_ATTN_BLOCK_ROWS)
   tree_attn_i32 has_offsets;   // 0: every offset is 0 and the offsets buffer is not read
+  tree_attn_i32 has_sinks;     // 0: no sinks; the reduce pass does not read its sinks buffer
+  tree_attn_i32 reserved;      // 0; keeps the size a multiple of 8 (no tail padding)
   float scale;
   float softcap;               // 0: off
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(TreeAttnParams) == 13 * 8 + 12 * 4 + 2 * 4,
+static_assert(sizeof(TreeAttnParams) == 13 * 8 + 14 * 4 + 2 * 4,
               "TreeAttnParams must have no padding: it is copied byte for byte to the GPU");
 #endif

@@ -94,12 +94,6 @@ class Case:
         return "-".join(parts)
 
 
-def metal_supports(case: Case) -> bool:
-    """What the Metal kernels cover so far (csrc/metal/plan.cpp refuses the rest): one
-    dtype, D <= 256, no sinks. Temporary: issue 8 brings the rest to Metal."""
-    return case.cache_dtype == case.dtype and case.D <= 256 and case.sinks is None
-
-
 def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:
     """Ancestor-or-self mask of a random tree whose nodes are ordered parents first."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]

@@ -15,7 +15,7 @@ import torch
 
 import torch_tree_attn  # noqa: F401  (registers the ops)
 import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
-from tests.cases import (args_of, metal_supports, Case, check_against_reference, check_nonfinite_case, inject_nonfinite, make_inputs, nonfinite_cases,
+from tests.cases import (args_of, Case, check_against_reference, check_nonfinite_case, inject_nonfinite, make_inputs, nonfinite_cases,
                          parity_matrix)
 from torch_tree_attn.reference import tree_attention_reference
 
@@ -35,7 +35,7 @@ def traffic_of(inputs):
     return json.loads(ops.traffic(*args_of(inputs)))
 
 
-MATRIX = [c for c in parity_matrix() if metal_supports(c)]
+MATRIX = parity_matrix()
 
 # Long prefixes: S large enough that the plan splits the keys across threadgroups, with
 # offsets that end the visible range inside a split and inside a chunk.
@@ -46,6 +46,18 @@ SPLIT_CASES = [
     Case(B=1, Hq=8, Hkv=1, T=4, S=1000, D=128, dtype=torch.bfloat16, mask_kind="float", window="dense",
          offsets="none", seed=103),
     Case(B=2, Hq=1, Hkv=1, T=2, S=700, D=256, dtype=torch.float32, mask_kind="bool", window="empty", seed=104),
+    # D = 512 in float32: the K/V tile is staged in two slices of the head dim.
+    Case(B=1, Hq=2, Hkv=1, T=3, S=600, D=512, dtype=torch.float32, mask_kind="float", seed=105),
+    Case(B=1, Hq=2, Hkv=2, T=2, S=560, D=512, dtype=torch.bfloat16, mask_kind="bool", offsets="same", seed=106),
+    # Sinks merged in the reduce pass after several splits.
+    Case(B=2, Hq=4, Hkv=2, T=4, S=900, D=64, dtype=torch.float16, mask_kind="bool", sinks=torch.float32, seed=107),
+    Case(B=1, Hq=4, Hkv=1, T=3, S=800, D=128, dtype=torch.float32, mask_kind="float", sinks=torch.bfloat16,
+         softcap=20.0, seed=108),
+    # A float32 query over a half-precision cache.
+    Case(B=2, Hq=4, Hkv=2, T=4, S=1000, D=128, dtype=torch.float32, kv_dtype=torch.float16, mask_kind="float",
+         kv_layout="bshd", seed=109),
+    Case(B=1, Hq=4, Hkv=1, T=5, S=700, D=256, dtype=torch.float32, kv_dtype=torch.bfloat16, mask_kind="bool",
+         sinks=torch.float32, seed=110),
 ]
 
 
@@ -80,9 +92,12 @@ def test_deterministic():
 
 def test_every_kernel_instantiation_is_exercised():
     shipped = {name for name in ops.kernels() if name.startswith("tree_attn_")}
-    expected = {f"tree_attn_main_{t}_d{d}_{m}" for t in ("f32", "f16", "bf16") for d in (64, 96, 128, 256)
-                for m in ("bool", "float")}
-    expected |= {f"tree_attn_reduce_{t}_d{d}" for t in ("f32", "f16", "bf16") for d in (64, 96, 128, 256)}
+    # (query, K/V) pairs: one dtype, or a float32 query over a half-precision cache.
+    pairs = ("f32", "f16", "bf16", "f32_f16", "f32_bf16")
+    dims = (64, 96, 128, 256, 512)
+    expected = {f"tree_attn_main_{t}_d{d}_{m}" for t in pairs for d in dims for m in ("bool", "float")}
+    expected |= {f"tree_attn_reduce_{t}_d{d}" for t in ("f32", "f16", "bf16") for d in dims}
+    assert len(expected) == 65
     assert shipped == expected
     used = {launch["kernel"] for case in MATRIX for launch in plan_of(make_inputs(case))["launches"]}
     assert used == shipped, f"never run: {sorted(shipped - used)}"
@@ -158,7 +173,7 @@ def test_unused_slots_hold_nan_and_the_last_chunk_is_partial():
 # ---------------------------------------------------------------------------------------
 # Non-finite values (README, "Non-finite values"): NaN exactly in the rows that see one.
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case, kind", [p for p in nonfinite_cases() if metal_supports(p[0])], ids=lambda x: str(x))
+@pytest.mark.parametrize("case, kind", nonfinite_cases(), ids=lambda x: str(x))
 def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind):
     check_nonfinite_case(case, kind, lambda inputs: sim(inputs))
 
@@ -353,19 +368,29 @@ def test_reference_shape_traffic_against_minimum_and_seed():
     assert G * T == 256 and worst * 32 == seed_kv
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 96, 128, 256])
-def test_plan_geometry(dtype, D):
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                             (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+                                             (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("D", [64, 96, 128, 256, 512])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_plan_geometry(dtype, kv_dtype, D, with_sinks):
     B, Hq, Hkv, T, S = 2, 8, 2, 9, 2000
     q = torch.zeros(B, Hq, T, D, dtype=dtype)
-    kv = torch.zeros(B, Hkv, S, D, dtype=dtype)
+    kv = torch.zeros(B, Hkv, S, D, dtype=kv_dtype)
+    sinks = torch.zeros(Hq) if with_sinks else None
     plan = plan_of(dict(query=q, key=kv, value=kv, mask=torch.ones(B, T, T, dtype=torch.bool),
-                        mask_offset=torch.tensor([5, 1000]), scale=None, softcap=None))
+                        mask_offset=torch.tensor([5, 1000]), scale=None, softcap=None, sinks=sinks))
     main, reduce = plan["launches"]
-    element = torch.finfo(dtype).bits // 8
-    # One chunk of 32 K (then V) rows in the K/V dtype: at most 32 KiB, a multiple of 16.
-    assert main["threadgroup_memory_bytes"] == 32 * D * element <= 32768
-    assert main["threads"] == [128 if D <= 128 else 256, 1, 1]
+    tag = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+    pair = tag[dtype] if dtype == kv_dtype else f"{tag[dtype]}_{tag[kv_dtype]}"
+    assert main["kernel"] == f"tree_attn_main_{pair}_d{D}_bool"
+    assert reduce["kernel"] == f"tree_attn_reduce_{tag[dtype]}_d{D}"
+    element = torch.finfo(kv_dtype).bits // 8
+    # One chunk of 32 K (then V) rows in the K/V dtype, staged in slices of the head dim
+    # (two only for float32 at D = 512): at most 32 KiB, a multiple of 16.
+    slice_dims = D // 2 if D * element * 32 > 32768 else D
+    assert main["threadgroup_memory_bytes"] == 32 * slice_dims * element <= 32768
+    assert main["threads"] == [{64: 128, 96: 128, 128: 128, 256: 256, 512: 512}[D], 1, 1]
     rows = (Hq // Hkv) * T
     assert plan["n_row_blocks"] == math.ceil(rows / 32)
     assert main["grid"] == [plan["n_splits"], plan["n_row_blocks"], B * Hkv]
@@ -380,4 +405,7 @@ def test_plan_geometry(dtype, D):
     assert plan["scratch_bytes"] >= slots * (D + 2) * 4
     assert {b["role"] for b in main["buffers"]} == {"params", "query", "key", "value", "mask", "offsets",
                                                     "partial_o", "partial_m", "partial_l"}
-    assert [b["index"] for b in reduce["buffers"]] == list(range(6))
+    assert [b["index"] for b in reduce["buffers"]] == list(range(7))
+    # No sinks: the sinks slot gets a read-only region the kernel never reads.
+    assert reduce["buffers"][6]["role"] == ("sinks" if with_sinks else "partial_m")
+    assert not reduce["buffers"][6]["writable"]

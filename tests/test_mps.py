@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import args_of, metal_supports, Case, check_against_reference, make_inputs, parity_matrix
+from tests.cases import args_of, Case, check_against_reference, make_inputs, parity_matrix
 from torch_tree_attn.reference import tree_attention_reference
 
 pytestmark = pytest.mark.skipif(
@@ -45,14 +45,14 @@ def run_mps(cpu_inputs: dict):
     return out.cpu(), lse.cpu()
 
 
-@pytest.mark.parametrize("case", [c for c in parity_matrix() if metal_supports(c)], ids=str)
+@pytest.mark.parametrize("case", parity_matrix(), ids=str)
 def test_parity_matrix(case):
     inputs = make_inputs(case)
     out, lse = run_mps(inputs)
     check_against_reference(out, lse, inputs)
 
 
-@pytest.mark.parametrize("case", [c for c in parity_matrix() if metal_supports(c)][::7], ids=str)
+@pytest.mark.parametrize("case", parity_matrix()[::7], ids=str)
 def test_forward_without_lse_matches(case):
     inputs = make_inputs(case)
     out = ops.forward(*args_of(to_mps(inputs))).cpu()
@@ -68,6 +68,16 @@ SPLIT_CASES = [
          kv_layout="bshd", mask_shape="none", softcap=30.0),
     Case(B=1, Hq=8, Hkv=1, T=40, S=2500, D=256, dtype=torch.float16, mask_kind="float", window="dense",
          offsets="none", seed=203),
+    # D = 512 (float32: the K/V tile in two slices of the head dim; 512 threads per threadgroup).
+    Case(B=1, Hq=16, Hkv=4, T=32, S=3000, D=512, dtype=torch.float32, mask_kind="bool", seed=204),
+    Case(B=1, Hq=8, Hkv=2, T=16, S=2000, D=512, dtype=torch.bfloat16, mask_kind="float", seed=205),
+    # Sinks (gpt-oss) and a float32 query over a half-precision cache.
+    Case(B=2, Hq=16, Hkv=2, T=24, S=3000, D=64, dtype=torch.bfloat16, mask_kind="bool", sinks=torch.float32,
+         seed=206),
+    Case(B=1, Hq=8, Hkv=2, T=20, S=2500, D=128, dtype=torch.float32, kv_dtype=torch.float16, mask_kind="float",
+         kv_layout="bshd", sinks=torch.bfloat16, seed=207),
+    Case(B=1, Hq=8, Hkv=8, T=8, S=2200, D=256, dtype=torch.float32, kv_dtype=torch.bfloat16, mask_kind="bool",
+         seed=208),
 ]
 
 

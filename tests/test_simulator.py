@@ -6,6 +6,7 @@ Expected values are computed independently here (float64 / torch conversions), n
 simulator.
 """
 import os
+import re
 import struct
 import sys
 
@@ -407,7 +408,13 @@ def test_macros_get_the_same_rewriting():
         ("kernel void f(device float* x [[buffer(0)]]) { simdgroup_float8x8 m; }", r"simdgroup_matrix"),
         ("kernel void f(device double* x [[buffer(0)]]) {}", r"'double': double is not an MSL type"),
         ("#include <metal_atomic>\n", r"only <metal_stdlib> is supported"),
-        ('#define INST(T) template [[host_name("f_" #T)]] [[kernel]] void f<T>();\n', r"attributes inside #define"),
+        ('#define NAMED [[host_name("f")]]\n', r"attributes inside #define"),
+        ("template <typename T> kernel void f(device T* x [[buffer(0)]]) {}\n"
+         '#define INST(T) template [[host_name("f_" #T)]] [[kernel]] void f<T>(device T* x [[buffer(0)]]);\n'
+         "INST(float, half)\n", r"'INST' takes 1 arguments, got 2"),
+        ("template <typename T> kernel void f(device T* x [[buffer(0)]]) {}\n"
+         '#define INST(T) template [[host_name("f_" #T)]] [[kernel]] void f<T>(device T* x [[buffer(0)]]);\n'
+         "void g() { INST(float) }\n", r"'INST' used inside a function"),
         ("kernel void f(device float** x [[buffer(0)]]) {}", r"pointers to pointers"),
         ("threadgroup float shared_at_file_scope[4];\n", r"must be declared inside a kernel"),
         ("template <typename T> kernel void f(device T* x [[buffer(0)]]) {}\n"
@@ -423,6 +430,17 @@ def test_macros_get_the_same_rewriting():
 def test_translator_rejects_constructs_outside_the_subset(source, message):
     with pytest.raises(msl2cpp.TranslationError, match=message):
         translate(source)
+
+
+def test_translator_expands_instantiation_macros():
+    # `#`, `##`, adjacent string literals in [[host_name]], nested macros: C preprocessor rules.
+    cpp = translate("template <typename T, int N> kernel void f(device T* x [[buffer(0)]]) { x[0] = T(N); }\n"
+                    '#define INST(T, TAG, N) template [[host_name("f_" #TAG "_n" #N)]] [[kernel]] void \\\n'
+                    "  f<T, N>(device T* x [[buffer(0)]]);\n"
+                    "#define BOTH(N) INST(float, f32, N) INST(half, f##16, N)\n"
+                    "BOTH(1)\nBOTH(2)\n")
+    names = re.findall(r'KernelEntry\{"([^"]+)"', cpp)
+    assert names == ["f_f32_n1", "f_f16_n1", "f_f32_n2", "f_f16_n2"]
 
 
 def test_translator_reports_the_line_of_the_problem():

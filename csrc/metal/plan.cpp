@@ -70,6 +70,7 @@ const char* role_name(BufferRole role) {
     case BufferRole::Value: return "value";
     case BufferRole::Mask: return "mask";
     case BufferRole::Offsets: return "offsets";
+    case BufferRole::Sinks: return "sinks";
     case BufferRole::PartialO: return "partial_o";
     case BufferRole::PartialM: return "partial_m";
     case BufferRole::PartialL: return "partial_l";
@@ -82,13 +83,14 @@ const char* role_name(BufferRole role) {
 Plan make_plan(const Prepared& in) {
   const Problem& p = in.p;
   Plan plan;
-  // Limits of the current shader set, checked before anything is encoded.
-  TORCH_CHECK_VALUE(p.D <= 256, "tree attention: the Metal kernels support D up to 256 so far, got D=", p.D);
-  TORCH_CHECK_TYPE(p.q_dtype == p.kv_dtype, "tree attention: the Metal kernels need one dtype for query, key and "
-                   "value so far, got query ", p.q_dtype, " over key/value ", p.kv_dtype);
-  TORCH_CHECK_VALUE(!p.has_sinks, "tree attention: the Metal kernels do not support sinks yet");
-  plan.qkv_element_bytes = uint32_t(at::elementSize(p.kv_dtype));
-  plan.out_element_bytes = plan.qkv_element_bytes;
+  // validation.cpp admits exactly the (query, K/V) dtype pairs the kernels are
+  // instantiated for: one dtype, or a float32 query over float16/bfloat16 K/V.
+  TORCH_CHECK_TYPE(p.q_dtype == p.kv_dtype || (p.q_dtype == at::kFloat && (p.kv_dtype == at::kHalf ||
+                                                                           p.kv_dtype == at::kBFloat16)),
+                   "tree attention: no Metal kernel for a ", p.q_dtype, " query over ", p.kv_dtype, " key/value");
+  plan.q_element_bytes = uint32_t(at::elementSize(p.q_dtype));
+  plan.kv_element_bytes = uint32_t(at::elementSize(p.kv_dtype));
+  plan.out_element_bytes = plan.q_element_bytes;
   plan.mask_element_bytes = p.mask_kind == MaskKind::Bool ? 1 : 4;
   TORCH_CHECK_TYPE(in.mask.scalar_type() == (p.mask_kind == MaskKind::Bool ? at::kBool : at::kFloat),
                    "tree attention: the Metal kernels take a bool or float32 mask, got ", in.mask.scalar_type());
@@ -126,6 +128,8 @@ Plan make_plan(const Prepared& in) {
   params.M = int32_t(p.M);
   params.D = int32_t(p.D);
   params.has_offsets = p.has_offsets ? 1 : 0;
+  params.has_sinks = p.has_sinks ? 1 : 0;
+  params.reserved = 0;
   params.scale = p.scale;
   params.softcap = p.softcap;
   params.n_row_blocks = int32_t(ceil_div(rows_per_head, TREE_ATTN_BLOCK_ROWS));
@@ -146,7 +150,9 @@ Plan make_plan(const Prepared& in) {
   plan.partial_l_offset = align_up(plan.partial_m_offset + ml_bytes, 256, "scratch size");
   plan.scratch_bytes = align_up(plan.partial_l_offset + ml_bytes, 256, "scratch size");
 
-  const std::string tag = dtype_tag(p.kv_dtype);
+  // Kernel names: see the instantiation table at the end of shaders/tree_attention.metal.
+  const std::string out_tag = dtype_tag(p.q_dtype);
+  const std::string tag = p.q_dtype == p.kv_dtype ? out_tag : out_tag + "_" + dtype_tag(p.kv_dtype);
   const std::string d = std::to_string(p.D);
   const int64_t simdgroups = TREE_ATTN_SIMDGROUPS(p.D);
 
@@ -155,9 +161,12 @@ Plan make_plan(const Prepared& in) {
   main.grid = {grid_dim(params.n_splits, "key splits"), grid_dim(params.n_row_blocks, "row blocks"),
                grid_dim(p.B * p.Hkv, "B * Hkv")};
   main.threads = {uint32_t(simdgroups * TREE_ATTN_SIMD_WIDTH), 1, 1};
+  // The K/V tile: 32 keys x one slice of the head dim (tree_attn_params.h).
+  const int64_t slice_dims = TREE_ATTN_SLICE_DIMS(p.D, int64_t(plan.kv_element_bytes));
+  TORCH_INTERNAL_ASSERT(p.D % slice_dims == 0 && slice_dims % TREE_ATTN_SIMD_WIDTH == 0);
   main.threadgroup_memory_bytes =
-      uint32_t(align_up(uint64_t(TREE_ATTN_CHUNK_KEYS) * p.D * plan.qkv_element_bytes, 16, "tile"));
-  TORCH_CHECK(main.threadgroup_memory_bytes <= 32768, "tree attention: tile of ",
+      uint32_t(align_up(uint64_t(TREE_ATTN_CHUNK_KEYS) * slice_dims * plan.kv_element_bytes, 16, "tile"));
+  TORCH_CHECK(main.threadgroup_memory_bytes <= TREE_ATTN_TILE_BYTES, "tree attention: tile of ",
               main.threadgroup_memory_bytes, " bytes exceeds 32 KB of threadgroup memory");
   const bool offsets = p.has_offsets;
   main.buffers = {
@@ -174,7 +183,7 @@ Plan make_plan(const Prepared& in) {
   };
 
   Launch reduce;
-  reduce.kernel = "tree_attn_reduce_" + tag + "_d" + d;
+  reduce.kernel = "tree_attn_reduce_" + out_tag + "_d" + d;
   reduce.grid = {grid_dim(ceil_div(int64_t(rows), TREE_ATTN_REDUCE_ROWS), "reduce rows"), 1, 1};
   reduce.threads = {uint32_t(TREE_ATTN_REDUCE_ROWS * TREE_ATTN_SIMD_WIDTH), 1, 1};
   reduce.buffers = {
@@ -184,6 +193,10 @@ Plan make_plan(const Prepared& in) {
       {3, BufferRole::PartialL, plan.partial_l_offset, false},
       {4, BufferRole::Output, 0, true},  // fresh contiguous tensors
       {5, BufferRole::Lse, 0, true},
+      // No sinks: a read-only region the kernel then never reads (Metal wants every
+      // declared buffer bound).
+      {6, p.has_sinks ? BufferRole::Sinks : BufferRole::PartialM,
+       p.has_sinks ? storage_byte_offset(in.sinks) : plan.partial_m_offset, false},
   };
   plan.launches = {std::move(main), std::move(reduce)};
   return plan;
@@ -196,6 +209,7 @@ const at::Tensor& CallTensors::tensor_for(BufferRole role) const {
     case BufferRole::Value: return in.value;
     case BufferRole::Mask: return in.mask;
     case BufferRole::Offsets: return in.offsets;
+    case BufferRole::Sinks: return in.sinks;
     case BufferRole::PartialO:
     case BufferRole::PartialM:
     case BufferRole::PartialL: return scratch;

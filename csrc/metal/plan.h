@@ -26,6 +26,7 @@ enum class BufferRole {
   Params,    // setBytes of Plan::params
   Query, Key, Value, Mask,
   Offsets,   // int32 [B]; when the call has none, the query buffer is bound and never read
+  Sinks,     // float32 [Hq]; when the call has none, the partial-max region is bound and never read
   PartialO, PartialM, PartialL,  // regions of the one float32 scratch buffer
   Output, Lse,
 };
@@ -58,8 +59,8 @@ struct Plan {
   uint64_t scratch_bytes = 0;
   uint64_t partial_o_offset = 0, partial_m_offset = 0, partial_l_offset = 0;
 
-  // Element sizes the traffic model uses.
-  uint32_t qkv_element_bytes = 0, mask_element_bytes = 0, out_element_bytes = 0;
+  // Element sizes the traffic model uses (output: the query's dtype).
+  uint32_t q_element_bytes = 0, kv_element_bytes = 0, mask_element_bytes = 0, out_element_bytes = 0;
 };
 
 // Keys a main threadgroup aims to split its work into: enough threadgroups to fill a

@@ -10,6 +10,8 @@ directives), so a C++ compile error points at the .metal line. What it does:
   `threadgroup T*` -> metal::threadgroup_ptr<T>, `device const T&` / `constant T&` -> `const T&`,
   `thread` is dropped, program-scope `constant T x = ...;` -> `static const T x = ...;`;
 - `threadgroup T name[N]...;` in a function body -> one shared allocation per threadgroup;
+- function-like macros that produce attributes (kernel instantiation tables) are expanded
+  by the translator itself, which must read those attributes;
 - kernels (`kernel`/`[[kernel]]`) lose their attributes; each non-template kernel and each
   explicit instantiation `template [[host_name("n")]] [[kernel]] void f<...>(...);` gets a
   launcher and a registry entry built from its parameter attributes;
@@ -96,6 +98,7 @@ class Token:
     line: int
     pre: str = ""  # whitespace and comments before the token, kept verbatim
     out: str | None = None  # replacement text (None: the token itself)
+    expanded: bool = False  # a #define the translator expands itself (instantiation macros)
 
     def emit(self) -> str:
         return self.pre + (self.text if self.out is None else self.out)
@@ -377,8 +380,158 @@ class Translator:
                     t.out = "// " + t.text
                 else:
                     self.error(t.line, f"unsupported #pragma {rest}")
-            elif name == "define":
+            elif name == "define" and not t.expanded:
                 t.out = self.translate_define(t)
+
+    # ------------------------------------------------------------------ instantiation macros
+    def expand_instantiation_macros(self):
+        """Expand the function-like macros that generate kernel instantiations.
+
+        A function-like macro whose body holds an attribute, or invokes such a macro, is an
+        instantiation macro: the translator must read the attributes it produces, so it
+        expands its invocations itself (C preprocessor rules for `#`, `##`, adjacent string
+        literals inside attributes, rescanning) and drops its #define. Its invocations must
+        stand at file scope. Other macros are left to the C++ preprocessor.
+        """
+        macros: dict[str, tuple[list[str], list[Token]]] = {}
+        out: list[Token] = []
+        depth = 0
+        i = 0
+        while i < len(self.tokens):
+            t = self.tokens[i]
+            if t.kind == "pp":
+                m = re.match(r"#\s*define\s+([A-Za-z_]\w*)\(([^)]*)\)(.*)", t.text, re.S)
+                if m:
+                    body = Translator(m.group(3), self.filename)
+                    body.tokenize()
+                    for tok in body.tokens:
+                        tok.line = t.line
+                    if any(tok.kind == "attr" or (tok.kind == "id" and tok.text in macros) for tok in body.tokens):
+                        params = [p.strip() for p in m.group(2).split(",") if p.strip()]
+                        if "..." in params:
+                            self.error(t.line, "variadic instantiation macros are not supported")
+                        macros[m.group(1)] = (params, body.tokens)
+                        t.out = f"// #define {m.group(1)}(...): expanded by msl2cpp.py" + "\n" * t.text.count("\n")
+                        t.expanded = True
+                out.append(t)
+                i += 1
+                continue
+            if t.kind == "punct" and t.text == "{":
+                depth += 1
+            elif t.kind == "punct" and t.text == "}":
+                depth -= 1
+            if t.kind == "id" and t.text in macros:
+                if depth != 0:
+                    self.error(t.line, f"instantiation macro '{t.text}' used inside a function or struct")
+                args, end = self.macro_args(self.tokens, i + 1, t)
+                expansion = self.expand_macro(macros, t.text, args, t.line, set())
+                for k, tok in enumerate(expansion):
+                    tok.line = t.line
+                    tok.pre = (t.pre if k == 0 else " ")
+                # Keep the invocation's newlines (line splices, multi-line argument lists).
+                newlines = sum(tok.pre.count("\n") for tok in self.tokens[i + 1:end + 1])
+                if expansion:
+                    expansion[-1].pre += "\n" * newlines
+                out.extend(expansion)
+                i = end + 1
+                continue
+            out.append(t)
+            i += 1
+        self.tokens = out
+
+    def macro_args(self, tokens: list[Token], i: int, name: Token) -> tuple[list[list[Token]], int]:
+        """Arguments of the invocation whose '(' is tokens[i]; returns them and the ')' index."""
+        if i >= len(tokens) or tokens[i].kind != "punct" or tokens[i].text != "(":
+            self.error(name.line, f"instantiation macro '{name.text}' used without arguments")
+        args: list[list[Token]] = [[]]
+        depth = 0
+        for j in range(i, len(tokens)):
+            t = tokens[j]
+            if t.kind == "punct" and t.text == "(":
+                depth += 1
+                if depth == 1:
+                    continue
+            elif t.kind == "punct" and t.text == ")":
+                depth -= 1
+                if depth == 0:
+                    return ([] if args == [[]] else args), j
+            elif t.kind == "punct" and t.text == "," and depth == 1:
+                args.append([])
+                continue
+            args[-1].append(t)
+        self.error(name.line, f"unbalanced '(' in the invocation of '{name.text}'")
+
+    @staticmethod
+    def _copy(t: Token) -> Token:
+        return Token(t.kind, t.text, t.line, t.pre)
+
+    def expand_macro(self, macros, name: str, args: list[list[Token]], line: int, active: set[str]) -> list[Token]:
+        params, body = macros[name]
+        if len(args) != len(params):
+            self.error(line, f"instantiation macro '{name}' takes {len(params)} arguments, got {len(args)}")
+        values = dict(zip(params, args))
+
+        def spelled(tokens: list[Token]) -> str:
+            return " ".join(t.text if t.kind != "attr" else f"[[{t.text}]]" for t in tokens)
+
+        result: list[Token] = []
+        k = 0
+        while k < len(body):
+            t = body[k]
+            if t.kind == "punct" and t.text == "#" and k + 1 < len(body) and body[k + 1].text in values:
+                text = spelled(values[body[k + 1].text]).replace("\\", "\\\\").replace('"', '\\"')
+                result.append(Token("str", f'"{text}"', line))
+                k += 2
+                continue
+            if t.kind == "punct" and t.text == "##":
+                if not result or k + 1 >= len(body):
+                    self.error(line, f"'##' at the edge of macro '{name}'")
+                nxt = body[k + 1]
+                right = values[nxt.text] if nxt.text in values else [nxt]
+                left = result.pop()
+                pasted = Translator(left.text + (right[0].text if right else ""), self.filename)
+                pasted.tokenize()
+                if len(pasted.tokens) != 1:
+                    self.error(line, f"'##' in macro '{name}' does not form one token")
+                result.append(Token(pasted.tokens[0].kind, pasted.tokens[0].text, line))
+                result.extend(self._copy(x) for x in right[1:])
+                k += 2
+                continue
+            if t.kind == "attr":
+                result.append(Token("attr", self.expand_in_attribute(macros, name, values, t.text, line), line))
+            elif t.kind == "id" and t.text in values:
+                result.extend(self._copy(x) for x in values[t.text])
+            else:
+                result.append(self._copy(t))
+            k += 1
+        # Rescan for further instantiation macros (not the one being expanded).
+        out: list[Token] = []
+        k = 0
+        while k < len(result):
+            t = result[k]
+            if t.kind == "id" and t.text in macros and t.text not in active | {name}:
+                sub_args, end = self.macro_args(result, k + 1, t)
+                out.extend(self.expand_macro(macros, t.text, sub_args, line, active | {name}))
+                k = end + 1
+                continue
+            out.append(t)
+            k += 1
+        return out
+
+    def expand_in_attribute(self, macros, name: str, values, text: str, line: int) -> str:
+        """An attribute in a macro body: substitute its parameters (`#x` too), then join
+        adjacent string literals, as the C preprocessor and compiler do."""
+        inner = Translator(text, self.filename)
+        inner.tokenize()
+        fake = (list(values), inner.tokens)
+        tokens = self.expand_macro({**macros, "\0attr": fake}, "\0attr", list(values.values()), line, {name})
+        joined: list[str] = []
+        for t in tokens:
+            if t.kind == "str" and joined and joined[-1].startswith('"') and t.text.startswith('"'):
+                joined[-1] = joined[-1][:-1] + t.text[1:]
+            else:
+                joined.append(t.text)
+        return "".join(joined)
 
     def translate_define(self, t: Token) -> str:
         sub = Translator(t.text[1:].strip()[len("define"):], self.filename)
@@ -388,8 +541,8 @@ class Translator:
         sub.check_identifiers_and_literals()
         for tok in sub.tokens:
             if tok.kind == "attr":
-                self.error(t.line, "attributes inside #define are not supported: write kernels and their "
-                                   "instantiations without macros")
+                self.error(t.line, "attributes inside #define are supported only in function-like "
+                                   "instantiation macros, expanded at file scope")
         sub.rewrite_address_spaces(inside_define=True)
         return "#define" + "".join(tok.emit() for tok in sub.tokens) + sub.trailing
 
@@ -744,6 +897,7 @@ class Translator:
 
     def translate(self) -> str:
         self.tokenize()
+        self.expand_instantiation_macros()
         self.check_identifiers_and_literals()
         self.preprocess_directives()
         self.find_kernels()

@@ -36,21 +36,22 @@ ModelledBytes modelled_main_reads(const Plan& plan, const std::vector<Visibility
   if (plan.launches.empty()) return bytes;
   const Launch& main = plan.launches[0];
   const uint64_t threadgroups = uint64_t(main.grid[0]) * main.grid[1] * main.grid[2];
-  const uint64_t row_bytes = uint64_t(p.D) * plan.qkv_element_bytes;
+  const uint64_t q_row_bytes = uint64_t(p.D) * plan.q_element_bytes;
+  const uint64_t kv_row_bytes = uint64_t(p.D) * plan.kv_element_bytes;
   // Every thread reads its batch row's offset once.
   if (p.has_offsets) bytes.offsets = threadgroups * main.threads[0] * sizeof(int32_t);
   uint64_t staged_keys = 0;
   for (const Visibility& v : vis) {
     // A split loads its queries only if it has a key to look at.
     const uint64_t live_splits = uint64_t(ceil_div(v.visible_end, p.split_keys));
-    bytes.query += live_splits * uint64_t(p.Hq) * p.T * row_bytes;
+    bytes.query += live_splits * uint64_t(p.Hq) * p.T * q_row_bytes;
     // Each mask entry of the visible window is read once, by the lane owning its key.
     bytes.mask += uint64_t(p.Hq) * p.T * uint64_t(v.visible_end - v.offset) * plan.mask_element_bytes;
     // Every row block of every kv head stages each visible key once.
     staged_keys += uint64_t(p.Hkv) * p.n_row_blocks * uint64_t(v.visible_end);
   }
   TORCH_CHECK(skipped_keys <= staged_keys, "tree attention: skipped keys ", skipped_keys, " > staged ", staged_keys);
-  bytes.key_value = 2 * (staged_keys - skipped_keys) * row_bytes;
+  bytes.key_value = 2 * (staged_keys - skipped_keys) * kv_row_bytes;
   return bytes;
 }
 
@@ -60,6 +61,8 @@ ModelledBytes modelled_reduce_reads(const Plan& plan) {
   if (plan.launches.empty()) return bytes;
   const uint64_t slots = uint64_t(p.B) * p.Hq * p.T * p.n_splits;
   bytes.partials = slots * (uint64_t(p.D) + 2) * sizeof(float);
+  // Lane 0 of each row's simdgroup reads the row's sink.
+  if (p.has_sinks) bytes.sinks = uint64_t(p.B) * p.Hq * p.T * sizeof(float);
   return bytes;
 }
 
@@ -79,7 +82,7 @@ uint64_t minimum_key_value_bytes(const Plan& plan, const std::vector<Visibility>
   const TreeAttnParams& p = plan.params;
   uint64_t keys = 0;
   for (const Visibility& v : vis) keys += uint64_t(p.Hkv) * uint64_t(v.visible_end);
-  return 2 * keys * uint64_t(p.D) * plan.qkv_element_bytes;
+  return 2 * keys * uint64_t(p.D) * plan.kv_element_bytes;
 }
 
 uint64_t count_skipped_keys(const Prepared& in, const Plan& plan, const std::vector<Visibility>& vis) {

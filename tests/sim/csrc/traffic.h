@@ -28,8 +28,8 @@ std::vector<Visibility> visibility_from_offsets(const Problem& p, const std::vec
 std::vector<Visibility> worst_case_visibility(const Problem& p);
 
 struct ModelledBytes {
-  uint64_t query = 0, key_value = 0, mask = 0, offsets = 0, partials = 0;
-  uint64_t total() const { return query + key_value + mask + offsets + partials; }
+  uint64_t query = 0, key_value = 0, mask = 0, offsets = 0, partials = 0, sinks = 0;
+  uint64_t total() const { return query + key_value + mask + offsets + partials + sinks; }
 };
 
 // Device bytes the main launch reads. `skipped_keys` counts (threadgroup, key) pairs of
