@@ -74,7 +74,6 @@ HUGE_SOFTCAP = os.environ.get("FUZZ_HUGE_SOFTCAP", "1").strip() != "0"
 CPU_CHUNKS = 20
 SIM_CHUNKS = 6
 MAX_REPORTED = 8  # failures printed per chunk (all are counted)
-SIM_LIMITED = True  # the simulator stream draws only what the Metal kernels support yet
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MASK_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -338,14 +337,6 @@ def draw_params(seed: int, index: int, stream: str) -> dict:
         p["invalid"] = rng.choice(kinds)
         p["invalid_pick"] = rng.getrandbits(32)
         p["clamp"] = False
-    if stream == "sim" and SIM_LIMITED:
-        # Temporary: the Metal kernels refuse these before dispatch (csrc/metal/plan.cpp)
-        # until they gain them (issue 8).
-        p["kv_dtype"], p["D"] = p["dtype"], min(p["D"], 256)
-        if p.get("nonfinite") == "sink":
-            p["nonfinite"] = "query"
-        if not p.get("invalid", "").startswith("sinks"):
-            p["sinks"] = None
     return p
 
 
