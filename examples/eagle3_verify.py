@@ -48,7 +48,8 @@ from torch_tree_attn.eagle3 import (  # noqa: E402
     feature_layer_ids,
     load_eagle3_draft,
 )
-from torch_tree_attn.tree import build_dynamic_tree, compact_kv_cache, verify_greedy, verify_sampling  # noqa: E402
+from torch_tree_attn.hf import compact_kv_cache  # noqa: E402
+from torch_tree_attn.tree import build_dynamic_tree, verify_greedy, verify_sampling  # noqa: E402
 
 PROG = "eagle3_verify.py"
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
@@ -171,7 +172,7 @@ def speculative(model, drafter: Eagle3Drafter, input_ids: torch.Tensor, args, st
             input_ids=tree.tokens[None],
             position_ids=tree.position_ids(prefix_len),
             tree_mask=tree.mask[None],
-            tree_prefix_lens=torch.tensor([prefix_len], device=device),
+            mask_offset=torch.tensor([prefix_len], device=device),
             use_cache=True,
             output_hidden_states=True,
             **{cache_arg: cache},

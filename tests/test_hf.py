@@ -283,7 +283,7 @@ def test_tree_verify_direct_model_call_with_per_row_prefix_tensor():
         cache = DynamicCache(config=model.config)
         prefill(model, impl, cache, prompt)
         extra = (
-            dict(tree_mask=anc, tree_prefix_lens=torch.tensor([slot, slot]))
+            dict(tree_mask=anc, mask_offset=torch.tensor([slot, slot]))
             if impl == "tree_attn"
             else dict(attention_mask=reference_bias(anc, slot, slot + tokens.shape[1]))
         )
@@ -304,7 +304,7 @@ def test_tree_mode_intersects_a_user_dense_mask():
     key_len = slot + tokens.shape[1]
     hidden = torch.zeros(batch, 1, 1, key_len, dtype=torch.bool)
     hidden[1, :, :, 2:4] = True
-    tree_args = dict(tree_mask=anc, tree_prefix_lens=torch.tensor([slot, slot]))
+    tree_args = dict(tree_mask=anc, mask_offset=torch.tensor([slot, slot]))
     user_mask = ~hidden.expand(batch, 1, tokens.shape[1], key_len)  # bool, True = attend
     bias = reference_bias(anc, slot, key_len).masked_fill(hidden, torch.finfo(torch.float32).min)
     runs = {
@@ -341,9 +341,9 @@ def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeyp
 
     calls = []
 
-    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
+    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
         calls.append((tuple(key.shape), tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
-        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap)
+        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap, sinks)
 
     def no_dense_masks(*args, **kwargs):
         raise AssertionError("a dense mask was built in compact tree mode")
@@ -368,9 +368,9 @@ def test_ordinary_decoding_without_padding_uses_compact_causal_masks(monkeypatch
     prompt, _ = prompt_and_padding(2, 6, (0, 0), seed=8)
     calls = []
 
-    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
+    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
         calls.append((tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
-        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap)
+        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap, sinks)
 
     def no_dense_masks(*args, **kwargs):
         raise AssertionError("a dense mask was built for a plain causal forward")
@@ -399,18 +399,18 @@ def test_tree_mode_rejects_bad_tree_arguments():
             model(tokens, **cache_kwargs(model, cache), **tree_args)
 
     with pytest.raises(ValueError, match=r"tree_mask must have shape \[B=1 or 1, T=3, T=3\]"):
-        call(tree_mask=torch.ones(1, 4, 4, dtype=torch.bool), tree_prefix_lens=torch.tensor([5]))
+        call(tree_mask=torch.ones(1, 4, 4, dtype=torch.bool), mask_offset=torch.tensor([5]))
     with pytest.raises(TypeError, match="tree_mask must be bool"):
-        call(tree_mask=torch.zeros(1, 3, 3), tree_prefix_lens=torch.tensor([5]))
-    with pytest.raises(ValueError, match="needs both tree_mask and tree_prefix_lens"):
+        call(tree_mask=torch.zeros(1, 3, 3), mask_offset=torch.tensor([5]))
+    with pytest.raises(ValueError, match="needs both tree_mask and mask_offset"):
         call(tree_mask=chain)
-    with pytest.raises(ValueError, match=r"tree_prefix_lens must have shape \[B=1\]"):
-        call(tree_mask=chain, tree_prefix_lens=torch.tensor([5, 5]))
-    with pytest.raises(ValueError, match=r"tree_prefix_lens \[4\] do not match the cache: .* slot \[5\]"):
-        call(tree_mask=chain, tree_prefix_lens=torch.tensor([4]))
+    with pytest.raises(ValueError, match=r"mask_offset has 2 entries, expected 1 "):
+        call(tree_mask=chain, mask_offset=torch.tensor([5, 5]))
+    with pytest.raises(ValueError, match=r"mask_offset \[4\] does not match the cache: .* slot \[5\]"):
+        call(tree_mask=chain, mask_offset=torch.tensor([4]))
     cache = DynamicCache(config=model.config)
     prefill(model, "tree_attn", cache, prompt)
-    with pytest.raises(ValueError, match=r"prefix_lens \[4\] must equal the cache length 5"):
+    with pytest.raises(ValueError, match=r"mask_offset \[4\] must equal the cache length 5"):
         hf.tree_forward(model, tokens[0], torch.tensor([-1, 0, 0]), 4, cache)
 
 
@@ -498,7 +498,7 @@ def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile():
                 position_ids=prefix_len + anc.sum(-1) - 1,
                 **cache_kwargs(model, cache),
                 tree_mask=anc,
-                tree_prefix_lens=torch.tensor([prefix_len]),
+                mask_offset=torch.tensor([prefix_len]),
             )
             expected = model(**inputs).logits
             crop(cache, tree_len)
