@@ -1,6 +1,7 @@
 """transformers integration: attn_implementation="tree_attn" against eager / sdpa.
 
-Tiny random-initialised models (no downloads), float32 on CPU. Every tree verification is
+Tiny random-initialised models (no downloads), float32 on CPU: Llama, Qwen3, Mistral,
+Gemma 2/3/4 and gpt-oss (Gemma 4 and gpt-oss are skipped on a transformers without them). Every tree verification is
 compared with the same weights running transformers' own "eager" (and "sdpa" where the
 model supports it) given the equivalent dense 4D additive mask, built here by loops from
 the definition: a tree node sees the committed prefix, its ancestors and itself; on
@@ -11,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import (
     DynamicCache,
     Gemma2Config,
@@ -77,6 +79,8 @@ def _build(kind):
             layer_types=["sliding_attention", "full_attention"],
         )
         return Gemma3ForCausalLM(config)
+    if kind in OPTIONAL_FAMILIES:
+        return _build_optional(kind)
     raise AssertionError(kind)
 
 
@@ -84,6 +88,8 @@ _MODELS = {}
 
 
 def model_for(kind):
+    if kind in OPTIONAL_FAMILIES:
+        _classes(kind)  # skips where this transformers lacks the family
     if kind not in _MODELS:
         torch.manual_seed(1234)
         _MODELS[kind] = _build(kind).eval()
@@ -91,8 +97,73 @@ def model_for(kind):
 
 
 def references_for(kind):
-    # Gemma 2 declares no sdpa support (softcapping), so only eager there.
-    return ["eager"] if kind == "gemma2" else ["eager", "sdpa"]
+    # Gemma 2 (softcapping) and gpt-oss (sinks) declare no sdpa support: only eager there.
+    return ["eager"] if kind in ("gemma2", "gpt_oss") else ["eager", "sdpa"]
+
+
+ALL_KINDS = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "gemma4", "gpt_oss"]
+SLIDING_KINDS = ["mistral", "gemma2", "gemma3", "gemma4", "gpt_oss"]
+
+
+# Gemma 4 (from transformers 5.5 or so) and gpt-oss are looked up, not imported: the
+# transformers floor (5.0) may lack them, and their tests then skip.
+OPTIONAL_FAMILIES = {
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+
+
+def _classes(kind):
+    names = OPTIONAL_FAMILIES[kind]
+    classes = [getattr(transformers, name, None) for name in names]
+    if None in classes:
+        pytest.skip(f"transformers {transformers.__version__} has no {kind} ({', '.join(names)})")
+    return classes
+
+
+def _build_optional(kind):
+    config_class, model_class = _classes(kind)
+    common = dict(COMMON, num_hidden_layers=4, hidden_size=64, intermediate_size=64)
+    if kind == "gemma4":
+        # Sliding layers head_dim 256, full layers global_head_dim 512 with keys as values
+        # (attention_k_eq_v) and their own kv-head count; the last two layers reuse the
+        # KV of the first two (num_kv_shared_layers); per-layer inputs on; no softcap.
+        common.update(head_dim=256)
+        config = config_class(
+            **common,
+            global_head_dim=512,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            final_logit_softcapping=None,
+        )
+        model = model_class(config)
+        with torch.no_grad():
+            # Gemma 4 scores unscaled (scaling 1.0) RMS-normed queries and keys: with unit
+            # norm weights, scores reach ~70 in these random models and float32 rounding of
+            # the softmax, not masking, dominates the comparison. Scores up to ~15 keep
+            # attention far from uniform and the comparison at the usual tolerance.
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.fill_(0.45)
+        return model
+    # gpt-oss: attention sinks, alternating sliding / full layers, D = 64, a small MoE.
+    config = config_class(
+        **common,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    model = model_class(config)
+    with torch.no_grad():  # sinks far from 0, so that they visibly change the softmax
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.5)
+    return model
 
 
 # ----------------------------------------------------------------------------------------
@@ -121,6 +192,8 @@ def reference_bias(anc, slot, key_len, padding=None, window=None):
                         ok = ok and (slot + depth) - a < window
                 elif a < slot + T:
                     ok = bool(anc[b, i, a - slot])
+                    if window is not None:  # both ends at their tree positions
+                        ok = ok and depth - (int(anc[b, a - slot].sum()) - 1) < window
                 else:
                     ok = False
                 if ok:
@@ -179,6 +252,8 @@ def ancestor_mask(parents):
 def make_cache(kind, model, max_cache_len):
     if kind == "dynamic":
         return DynamicCache(config=model.config)
+    if kind == "full-length static":  # sliding layers keep every position (tree_attn applies the window)
+        return hf.verification_cache(model, max_cache_len=max_cache_len)
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
@@ -226,7 +301,7 @@ def assert_logits_close(actual, expected):
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("left_pads", [(0, 0), (0, 3)], ids=["same-prefix", "left-padded"])
 def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
     """One tree forward with tree_attn gives the logits eager / sdpa give with the
@@ -246,7 +321,7 @@ def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
         # are enough to show a read: a masked-out slot still multiplies its value by 0. A
         # static layer that keeps no length counts its non-zero key slots as written.)
         for layer in cache.layers:
-            if not layer.is_sliding:
+            if getattr(layer, "keys", None) is not None and not layer.is_sliding:
                 layer.values[:, :, slot + tree_len:] = math.nan
                 if records_its_length(layer):
                     layer.keys[:, :, slot + tree_len:] = math.nan
@@ -266,9 +341,137 @@ def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
         if cache_kind == "dynamic":
             # The tree's K/V went to the same cache slots as the reference's (the last ones).
             for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+                if layer.keys is None:  # Gemma 4's KV-shared layers keep no cache of their own
+                    continue
                 written = min(tree_len, layer.keys.shape[2])
                 torch.testing.assert_close(layer.keys[:, :, -written:], ref_layer.keys[:, :, -written:])
     model.set_attn_implementation("tree_attn")
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_tree_verify_with_a_dense_4d_mask_matches_eager(kind, cache_kind):
+    """The same tree step given as a dense 4D mask (one per layer type) instead of the
+    compact form: tree_attn takes it as final, alone or with the tree arguments on top
+    (intersected), and matches eager given the same mask."""
+    model = model_for(kind)
+    batch, slot = 2, 9
+    prompt, _ = prompt_and_padding(batch, slot, (0, 0), seed=21)
+    tokens, _, anc, position_ids = tree_inputs(batch, slot, seed=21)
+    max_cache_len = slot + tokens.shape[1] + 4
+    bias = reference_masks(model, anc, slot, cache_kind, max_cache_len)  # float32 additive
+    if isinstance(bias, dict):
+        keep = {name: mask > torch.finfo(torch.float32).min for name, mask in bias.items()}  # bool, True = attend
+    else:
+        keep = bias > torch.finfo(torch.float32).min
+    tree_args = dict(tree_mask=anc, mask_offset=torch.tensor([slot] * batch))
+    runs = {
+        "dense": ("tree_attn", bias, {}),
+        "dense and tree": ("tree_attn", keep, tree_args),
+        "eager": ("eager", bias, {}),  # eager adds the mask to the scores: float only
+    }
+    results = {}
+    for name, (impl, mask, extra) in runs.items():
+        cache = make_cache(cache_kind, model, max_cache_len)
+        prefill(model, impl, cache, prompt)
+        with torch.no_grad():
+            results[name] = model(
+                tokens, position_ids=position_ids, attention_mask=mask, **cache_kwargs(model, cache), **extra
+            ).logits
+    model.set_attn_implementation("tree_attn")
+    assert_logits_close(results["dense"], results["eager"])
+    assert_logits_close(results["dense and tree"], results["eager"])
+
+
+# A tree deeper than the window (WINDOW = 6): a chain of depth 9, a branch off node 2, and a
+# long branch off node 5 reaching depth 11.
+DEEP_PARENTS = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 10, 11, 2, 13, 5, 15, 16, 17, 18, 19])
+
+
+def leaf_paths(parents):
+    """Root-to-leaf node lists, by walking up from every node that is nobody's parent."""
+    parents = parents.tolist()
+    paths = []
+    for leaf in range(len(parents)):
+        if leaf in parents:
+            continue
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
+
+
+def check_tree_against_sequential_paths(model, prompt, tokens, parents, cache_kind):
+    """Verify the tree with tree_attn on a cache holding the prompt, then compare the
+    logits of every root-to-leaf path with eager's ordinary forward of prompt + path."""
+    slot, tree_len = prompt.shape[1], tokens.shape[0]
+    cache = make_cache(cache_kind, model, slot + tree_len + 3)
+    prefill(model, "tree_attn", cache, prompt)
+    with torch.no_grad():
+        tree_logits = hf.tree_forward(model, tokens, parents, slot, cache).logits[0]
+    model.set_attn_implementation("eager")
+    worst = 0.0
+    try:
+        for path in leaf_paths(parents):
+            sequence = torch.cat([prompt[0], tokens[path]])[None]
+            with torch.no_grad():
+                expected = model(sequence).logits[0, slot:]
+            worst = max(worst, float((tree_logits[path] - expected).abs().max()))
+            assert_logits_close(tree_logits[path], expected)
+    finally:
+        model.set_attn_implementation("tree_attn")
+    return worst
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "full-length static"])
+@pytest.mark.parametrize("kind", SLIDING_KINDS)
+def test_tree_deeper_than_the_window_matches_sequential_paths(kind, cache_kind):
+    """On sliding-window layers the window counts tree positions (prefix + depth) for keys
+    as for queries: every root-to-leaf path of a tree deeper than the window gives the
+    logits of the ordinary forward of that path."""
+    model = model_for(kind)
+    prompt, _ = prompt_and_padding(1, 7, (0,), seed=31)
+    tokens = torch.randint(3, VOCAB, DEEP_PARENTS.shape, generator=torch.Generator().manual_seed(31))
+    check_tree_against_sequential_paths(model, prompt, tokens, DEEP_PARENTS, cache_kind)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_sliding_window_regression_window_2(cache_kind):
+    """The adversarial case that found the slot-counted window: Mistral with window 2,
+    prefix [5, 6, 7], tree [8..12] with parents [-1, 0, 0, 2, 3] (node 4 at depth 3 was off
+    by 6.09 in logits when tree keys were placed at their cache slots)."""
+    torch.manual_seed(1234)
+    model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=2)).eval()
+    model.set_attn_implementation("tree_attn")
+    check_tree_against_sequential_paths(
+        model, torch.tensor([[5, 6, 7]]), torch.tensor([8, 9, 10, 11, 12]), torch.tensor([-1, 0, 0, 2, 3]), cache_kind
+    )
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_plain_forward_and_decoding_match_eager(kind):
+    """Ordinary use: a left-padded prefill longer than the window, then two single-token
+    decoding steps, give eager's logits."""
+    model = model_for(kind)
+    prompt, padding = prompt_and_padding(2, 9, (0, 3), seed=41)
+    steps = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(41))
+    results = {}
+    for impl in ("tree_attn", "eager"):
+        model.set_attn_implementation(impl)
+        cache = DynamicCache(config=model.config)
+        mask = padding.long()
+        logits = []
+        with torch.no_grad():
+            logits.append(model(prompt, attention_mask=mask, **cache_kwargs(model, cache)).logits)
+            for k in range(2):
+                mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                logits.append(model(steps[:, k:k + 1], attention_mask=mask, **cache_kwargs(model, cache)).logits)
+        results[impl] = torch.cat(logits, dim=1)
+    model.set_attn_implementation("tree_attn")
+    real = torch.cat([padding, torch.ones(2, 2, dtype=torch.bool)], dim=1)  # padded queries' logits are arbitrary
+    assert_logits_close(results["tree_attn"][real], results["eager"][real])
 
 
 def test_tree_verify_direct_model_call_with_per_row_prefix_tensor():
@@ -428,11 +631,16 @@ def test_tree_mode_rejects_bad_tree_arguments():
         ("mistral", None),
         ("gemma2", None),
         ("gemma2", "static"),
+        ("gemma4", None),
+        ("gemma4", "static"),
+        ("gpt_oss", None),
+        ("gpt_oss", "static"),
     ],
 )
 def test_greedy_generation_matches_reference(kind, cache_implementation):
     """generate() with a left-padded 2D mask gives the same tokens as sdpa (eager for
-    Gemma 2), prompts longer than the sliding window included."""
+    Gemma 2 and gpt-oss), prompts longer than the sliding window included. (Gemma 4's
+    KV-shared layers see only the last query of the prefill there: logits_to_keep.)"""
     model = model_for(kind)
     prompt, padding = prompt_and_padding(2, 9, (0, 3), seed=7)
     outputs = {}
@@ -475,14 +683,18 @@ def test_ordinary_forward_logits_match_sdpa_with_user_4d_mask():
 # ----------------------------------------------------------------------------------------
 
 
-def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile():
+@pytest.mark.parametrize("kind", ["llama", "gemma4", "gpt_oss"])
+def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile(kind):
     """StaticCache + torch.compile(fullgraph=True): verify steps with changing prefix
     lengths (a tensor), trees and positions reuse one graph and match eager mode."""
     torch._dynamo.reset()
-    model = model_for("llama")
+    model = model_for(kind)
     model.set_attn_implementation("tree_attn")
     batch, tree_len, prefix_len = 1, 8, 6
-    cache = StaticCache(config=model.config, max_cache_len=40)
+    # Sliding layers of full length (tree_attn applies the window): transformers' own static
+    # sliding layer guards on a Python int length, and cannot crop once past the window.
+    cache = hf.verification_cache(model, max_cache_len=40)
+    assert all(not getattr(layer, "is_sliding", False) for layer in cache.layers)
     prompt, _ = prompt_and_padding(batch, prefix_len, (0,), seed=11)
     prefill(model, "tree_attn", cache, prompt)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")

@@ -113,7 +113,14 @@ from . import _hf_compat as _compat
 from .ops import tree_attention
 from .tree import _mask_depths, _mask_offset_tensor, ancestor_mask
 
-__all__ = ["register", "tree_attention_forward", "tree_attention_mask", "tree_forward", "compact_kv_cache"]
+__all__ = [
+    "register",
+    "tree_attention_forward",
+    "tree_attention_mask",
+    "tree_forward",
+    "verification_cache",
+    "compact_kv_cache",
+]
 
 def register(name: str = "tree_attn") -> None:
     """Register the tree-attention implementation under ``name`` with transformers.
@@ -530,6 +537,33 @@ def tree_forward(model, tokens, parents, mask_offset, cache, **model_kwargs):
 # --------------------------------------------------------------------------------------
 
 _COMPACTABLE_LAYERS = ("DynamicLayer", "StaticLayer", "DynamicSlidingWindowLayer", "StaticSlidingWindowLayer")
+
+
+def verification_cache(model, max_cache_len: Optional[int] = None):
+    """A transformers cache for a tree-verification loop on ``model``: a DynamicCache
+    (``max_cache_len=None``) or a StaticCache of ``max_cache_len`` positions whose
+    sliding-window layers are replaced by full-length ones (DynamicLayer / StaticLayer).
+
+    transformers' sliding cache layers drop the keys that left the window, so after a
+    verify step past the window the accepted path cannot be compacted
+    (:func:`compact_kv_cache`) or the step rolled back (``crop``), and the static one
+    keeps its length in a Python int that compiled graphs guard on (a recompile per cache
+    length). Full-length layers keep every position; tree_attn applies the window itself,
+    by tree position (see "Dense fallbacks"), as it does for eager and sdpa masks. Layers
+    that keep no KV of their own (Gemma 4's KV-shared layers) stay as they are. For a model
+    without sliding layers this is the ordinary cache.
+    """
+    from transformers import DynamicCache, StaticCache
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    if max_cache_len is None:
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    for index, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            cache.layers[index] = DynamicLayer() if max_cache_len is None else StaticLayer(max_cache_len=max_cache_len)
+    return cache
 
 
 def _layer_kind(layer) -> str:
