@@ -383,9 +383,11 @@ def test_tree_verify_with_a_dense_4d_mask_matches_eager(kind, cache_kind):
     assert_logits_close(results["dense and tree"], results["eager"])
 
 
-# A tree deeper than the window (WINDOW = 6): a chain of depth 9, a branch off node 2, and a
-# long branch off node 5 reaching depth 11.
-DEEP_PARENTS = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 10, 11, 2, 13, 5, 15, 16, 17, 18, 19])
+# A tree deeper than the window (WINDOW = 6) whose cache slots run far ahead of its depths:
+# six children of the root (slots 1-6, depth 1), a chain from the last of them down to
+# depth 9 (slots 7-14), and a short branch off node 2. Counting tree keys by slot instead of
+# depth shows node 14 its ancestor 6 (depth 1: 8 positions back, outside the window).
+DEEP_PARENTS = torch.tensor([-1, 0, 0, 0, 0, 0, 0, 6, 7, 8, 9, 10, 11, 12, 13, 2, 15, 16])
 
 
 def leaf_paths(parents):
