@@ -146,7 +146,9 @@ def speculative(model, drafter: Eagle3Drafter, input_ids: torch.Tensor, args, st
     _sync(device)
     start = time.perf_counter()
     drafter.reset()
-    cache = _new_cache(model)
+    # Sliding-window layers of full length (tree_attn applies the window by tree position):
+    # transformers' own sliding layers drop the keys that compaction moves (Gemma, gpt-oss).
+    cache = hf.verification_cache(model)
     out = model(input_ids=input_ids, use_cache=True, output_hidden_states=True, **{cache_arg: cache})
     first = _pick(out.logits[0, -1], args, generator)
     # The draft pairs the target's feature at position t with the token at t + 1.

@@ -631,7 +631,12 @@ def compact_kv_cache(cache, mask_offset: int, accepted: Union[torch.Tensor, Sequ
     n = accepted.shape[-1]
     new_len = prefix_len + n
 
-    layers = [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
+    # Layers that hold no KV of their own (transformers' DummyLayer: Gemma 4's KV-shared
+    # layers, attention-free layers) have nothing to move.
+    layers = [
+        layer for layer in cache.layers
+        if getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None
+    ]
     if not layers:
         raise ValueError("compact_kv_cache got a cache with no initialized layer (run the tree forward first)")
     kinds = [_layer_kind(layer) for layer in layers]
