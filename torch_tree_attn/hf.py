@@ -50,9 +50,10 @@ Dense fallbacks
   before the tree: as the dense mask says; tree keys: also only ancestors-or-self; keys
   after the tree: never).
 * A sliding-window layer whose key tensor is longer than the window. In tree mode the
-  window counts tree positions: node i at ``prefix + depth(i)`` sees cache slot ``p``
-  iff ``prefix + depth(i) - p < window`` (transformers' own masks would count cache
-  slots, which is wrong for all but a chain). transformers' sliding cache layers keep
+  window counts tree positions, for queries and keys alike: node i sits at ``prefix +
+  depth(i)``, a key before the tree at its cache slot, and node i sees key k iff
+  ``pos(i) - pos(k) < window`` (transformers' own masks would count cache slots, which is
+  wrong for all but a chain: a tree node's slot ``prefix + j`` runs ahead of its depth). transformers' sliding cache layers keep
   at most ``window - 1`` old keys, so such masks are at most ``[B, 1, T, window - 1 + T]``.
   The window comes from the layer's ``sliding_window`` argument (checked against the
   mask's on CPU outside compiled code).
@@ -72,10 +73,12 @@ The attention and mask functions trace with ``fullgraph=True``. With a ``StaticC
 and ``mask_offset`` passed as a tensor (same shape every step), consecutive verify
 steps reuse one graph. A Python int / list for ``mask_offset`` is accepted but
 becomes a constant of the graph (a recompile whenever it changes). Models with
-sliding-window layers (Mistral, Gemma) get transformers' ``StaticSlidingWindowLayer``,
-which tracks its length in a Python int that the graph guards on: those recompile per
-new cache length whatever the attention, and once past the window the layer cannot be
-rolled back (``crop``) after a verify step.
+sliding-window layers (Mistral, Gemma, gpt-oss) get transformers'
+``StaticSlidingWindowLayer`` in a plain ``StaticCache``, which tracks its length in a
+Python int that the graph guards on: those recompile per new cache length whatever the
+attention, and once past the window the layer cannot be rolled back (``crop``) after a
+verify step. :func:`verification_cache` gives them full-length layers instead (tree_attn
+applies the window): one graph for every step.
 
 Attention sinks (gpt-oss's ``s_aux``, the attention module's ``sinks``) are passed to the
 op as its ``sinks``. Not supported (clear errors): attention dropout, a float
@@ -563,6 +566,8 @@ def verification_cache(model, max_cache_len: Optional[int] = None):
     for index, layer in enumerate(cache.layers):
         if getattr(layer, "is_sliding", False):
             cache.layers[index] = DynamicLayer() if max_cache_len is None else StaticLayer(max_cache_len=max_cache_len)
+    if isinstance(vars(cache).get("is_sliding"), list):  # a release that stores the flags instead of deriving them
+        cache.is_sliding = [getattr(layer, "is_sliding", False) for layer in cache.layers]
     return cache
 
 
