@@ -382,8 +382,7 @@ def _tiny_target(kind):
                               vocab_size_per_layer_input=TINY_VOCAB, final_logit_softcapping=None,
                               tie_word_embeddings=False)  # tied random embeddings echo the input token
     else:
-        config = config_class(**common, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
-                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        config = config_class(**common, head_dim=64, num_local_experts=4, num_experts_per_tok=2)
     model = model_class(config).eval()
     if kind == "gemma4":
         with torch.no_grad():  # scores of ~10, not ~70 (scaling 1.0 over RMS-normed q, k): less degenerate output

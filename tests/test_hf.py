@@ -157,7 +157,6 @@ def _build_optional(kind):
         num_experts_per_tok=2,
         sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     model = model_class(config)
     with torch.no_grad():  # sinks far from 0, so that they visibly change the softmax
@@ -531,11 +530,11 @@ def test_tree_mode_intersects_a_user_dense_mask():
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma4", "gpt_oss"])
 def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeypatch):
     """Without padding, tree mode never builds a [T, S] mask: transformers' dense mask
     builder is not called, and every full-attention layer hands the op the [B, T, T] tree
-    mask with the prefix lengths as offsets."""
+    mask with the prefix lengths as offsets (and gpt-oss's sinks, one per query head)."""
     model = model_for(kind)
     batch, slot = 2, 2  # prefix + tree within Gemma's window: its sliding layers stay compact too
     tokens, parents, anc, _ = tree_inputs(batch, slot, tree_len=WINDOW - slot)
@@ -544,10 +543,11 @@ def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeyp
     cache = make_cache(cache_kind, model, slot + tree_len + 3)
     prefill(model, "tree_attn", cache, prompt)
 
-    calls = []
+    calls, sinks_seen = [], []
 
     def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
         calls.append((tuple(key.shape), tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
+        sinks_seen.append(None if sinks is None else tuple(sinks.shape))
         return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap, sinks)
 
     def no_dense_masks(*args, **kwargs):
@@ -563,6 +563,8 @@ def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeyp
         assert mask_shape == (batch, tree_len, tree_len), (key_shape, mask_shape)
         assert offsets == [slot] * batch
         assert key_shape[2] >= slot + tree_len
+    heads = model.config.num_attention_heads
+    assert sinks_seen == [(heads,) if kind == "gpt_oss" else None] * len(calls)
 
 
 def test_ordinary_decoding_without_padding_uses_compact_causal_masks(monkeypatch):
@@ -607,6 +609,8 @@ def test_tree_mode_rejects_bad_tree_arguments():
         call(tree_mask=torch.ones(1, 4, 4, dtype=torch.bool), mask_offset=torch.tensor([5]))
     with pytest.raises(TypeError, match="tree_mask must be bool"):
         call(tree_mask=torch.zeros(1, 3, 3), mask_offset=torch.tensor([5]))
+    with pytest.raises(TypeError, match="tree_prefix_lens was renamed mask_offset"):
+        call(tree_mask=chain, tree_prefix_lens=torch.tensor([5]))
     with pytest.raises(ValueError, match="needs both tree_mask and mask_offset"):
         call(tree_mask=chain)
     with pytest.raises(ValueError, match=r"mask_offset has 2 entries, expected 1 "):
