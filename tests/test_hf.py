@@ -451,6 +451,28 @@ def test_sliding_window_regression_window_2(cache_kind):
     )
 
 
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_sliding_window_regression_gemma2_binary_tree(cache_kind):
+    """The second adversarial case: Gemma 2 (window 5, softcapping) verifying a 100-node
+    binary tree (depth 6) after a 7-token prefix, off by up to 4.6 in logits before;
+    every one of its 50 root-to-leaf paths against the sequential forward."""
+    torch.manual_seed(1234)
+    config = Gemma2Config(
+        **COMMON,
+        sliding_window=5,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = Gemma2ForCausalLM(config).eval()
+    model.set_attn_implementation("tree_attn")
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, 100)])
+    tokens = torch.randint(3, VOCAB, (100,), generator=torch.Generator().manual_seed(61))
+    prompt, _ = prompt_and_padding(1, 7, (0,), seed=61)
+    check_tree_against_sequential_paths(model, prompt, tokens, parents, cache_kind)
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_plain_forward_and_decoding_match_eager(kind):
     """Ordinary use: a left-padded prefill longer than the window, then two single-token
@@ -473,6 +495,26 @@ def test_plain_forward_and_decoding_match_eager(kind):
     model.set_attn_implementation("tree_attn")
     real = torch.cat([padding, torch.ones(2, 2, dtype=torch.bool)], dim=1)  # padded queries' logits are arbitrary
     assert_logits_close(results["tree_attn"][real], results["eager"][real])
+
+
+@pytest.mark.parametrize("left_pads", [(0, 0), (0, 3)], ids=["same-prefix", "left-padded"])
+def test_gemma4_kv_shared_layers_see_only_the_last_queries(left_pads):
+    """With an int logits_to_keep, Gemma 4 runs its KV-shared layers on the last queries
+    only, slicing the mask along the queries from the end: the causal spec records where
+    the queries end, so those layers still find their queries (they saw key 0 only when it
+    recorded the first query's slot)."""
+    model = model_for("gemma4")
+    prompt, padding = prompt_and_padding(2, 9, left_pads, seed=51)
+    mask = None if padding is None else padding.long()
+    results = {}
+    for impl in ("tree_attn", "eager"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            results[impl] = model(prompt, attention_mask=mask, logits_to_keep=1).logits
+            full = model(prompt, attention_mask=mask).logits[:, -1:]
+        assert_logits_close(results[impl], full)
+    model.set_attn_implementation("tree_attn")
+    assert_logits_close(results["tree_attn"], results["eager"])
 
 
 def test_tree_verify_direct_model_call_with_per_row_prefix_tensor():
