@@ -48,7 +48,8 @@ from torch_tree_attn.eagle3 import (  # noqa: E402
     feature_layer_ids,
     load_eagle3_draft,
 )
-from torch_tree_attn.tree import build_dynamic_tree, compact_kv_cache, verify_greedy, verify_sampling  # noqa: E402
+from torch_tree_attn.hf import compact_kv_cache  # noqa: E402
+from torch_tree_attn.tree import build_dynamic_tree, verify_greedy, verify_sampling  # noqa: E402
 
 PROG = "eagle3_verify.py"
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
@@ -145,7 +146,9 @@ def speculative(model, drafter: Eagle3Drafter, input_ids: torch.Tensor, args, st
     _sync(device)
     start = time.perf_counter()
     drafter.reset()
-    cache = _new_cache(model)
+    # Sliding-window layers of full length (tree_attn applies the window by tree position):
+    # transformers' own sliding layers drop the keys that compaction moves (Gemma, gpt-oss).
+    cache = hf.verification_cache(model)
     out = model(input_ids=input_ids, use_cache=True, output_hidden_states=True, **{cache_arg: cache})
     first = _pick(out.logits[0, -1], args, generator)
     # The draft pairs the target's feature at position t with the token at t + 1.
@@ -171,7 +174,7 @@ def speculative(model, drafter: Eagle3Drafter, input_ids: torch.Tensor, args, st
             input_ids=tree.tokens[None],
             position_ids=tree.position_ids(prefix_len),
             tree_mask=tree.mask[None],
-            tree_prefix_lens=torch.tensor([prefix_len], device=device),
+            mask_offset=torch.tensor([prefix_len], device=device),
             use_cache=True,
             output_hidden_states=True,
             **{cache_arg: cache},

@@ -1,6 +1,7 @@
 """transformers integration: attn_implementation="tree_attn" against eager / sdpa.
 
-Tiny random-initialised models (no downloads), float32 on CPU. Every tree verification is
+Tiny random-initialised models (no downloads), float32 on CPU: Llama, Qwen3, Mistral,
+Gemma 2/3/4 and gpt-oss (Gemma 4 and gpt-oss are skipped on a transformers without them). Every tree verification is
 compared with the same weights running transformers' own "eager" (and "sdpa" where the
 model supports it) given the equivalent dense 4D additive mask, built here by loops from
 the definition: a tree node sees the committed prefix, its ancestors and itself; on
@@ -11,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import (
     DynamicCache,
     Gemma2Config,
@@ -77,6 +79,8 @@ def _build(kind):
             layer_types=["sliding_attention", "full_attention"],
         )
         return Gemma3ForCausalLM(config)
+    if kind in OPTIONAL_FAMILIES:
+        return _build_optional(kind)
     raise AssertionError(kind)
 
 
@@ -84,6 +88,8 @@ _MODELS = {}
 
 
 def model_for(kind):
+    if kind in OPTIONAL_FAMILIES:
+        _classes(kind)  # skips where this transformers lacks the family
     if kind not in _MODELS:
         torch.manual_seed(1234)
         _MODELS[kind] = _build(kind).eval()
@@ -91,8 +97,72 @@ def model_for(kind):
 
 
 def references_for(kind):
-    # Gemma 2 declares no sdpa support (softcapping), so only eager there.
-    return ["eager"] if kind == "gemma2" else ["eager", "sdpa"]
+    # Gemma 2 (softcapping) and gpt-oss (sinks) declare no sdpa support: only eager there.
+    return ["eager"] if kind in ("gemma2", "gpt_oss") else ["eager", "sdpa"]
+
+
+ALL_KINDS = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "gemma4", "gpt_oss"]
+SLIDING_KINDS = ["mistral", "gemma2", "gemma3", "gemma4", "gpt_oss"]
+
+
+# Gemma 4 (from transformers 5.5 or so) and gpt-oss are looked up, not imported: the
+# transformers floor (5.0) may lack them, and their tests then skip.
+OPTIONAL_FAMILIES = {
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+
+
+def _classes(kind):
+    names = OPTIONAL_FAMILIES[kind]
+    classes = [getattr(transformers, name, None) for name in names]
+    if None in classes:
+        pytest.skip(f"transformers {transformers.__version__} has no {kind} ({', '.join(names)})")
+    return classes
+
+
+def _build_optional(kind):
+    config_class, model_class = _classes(kind)
+    common = dict(COMMON, num_hidden_layers=4, hidden_size=64, intermediate_size=64)
+    if kind == "gemma4":
+        # Sliding layers head_dim 256, full layers global_head_dim 512 with keys as values
+        # (attention_k_eq_v) and their own kv-head count; the last two layers reuse the
+        # KV of the first two (num_kv_shared_layers); per-layer inputs on; no softcap.
+        common.update(head_dim=256)
+        config = config_class(
+            **common,
+            global_head_dim=512,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            final_logit_softcapping=None,
+        )
+        model = model_class(config)
+        with torch.no_grad():
+            # Gemma 4 scores unscaled (scaling 1.0) RMS-normed queries and keys: with unit
+            # norm weights, scores reach ~70 in these random models and float32 rounding of
+            # the softmax, not masking, dominates the comparison. Scores up to ~15 keep
+            # attention far from uniform and the comparison at the usual tolerance.
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.fill_(0.45)
+        return model
+    # gpt-oss: attention sinks, alternating sliding / full layers, D = 64, a small MoE.
+    config = config_class(
+        **common,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    model = model_class(config)
+    with torch.no_grad():  # sinks far from 0, so that they visibly change the softmax
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.5)
+    return model
 
 
 # ----------------------------------------------------------------------------------------
@@ -121,6 +191,8 @@ def reference_bias(anc, slot, key_len, padding=None, window=None):
                         ok = ok and (slot + depth) - a < window
                 elif a < slot + T:
                     ok = bool(anc[b, i, a - slot])
+                    if window is not None:  # both ends at their tree positions
+                        ok = ok and depth - (int(anc[b, a - slot].sum()) - 1) < window
                 else:
                     ok = False
                 if ok:
@@ -179,6 +251,8 @@ def ancestor_mask(parents):
 def make_cache(kind, model, max_cache_len):
     if kind == "dynamic":
         return DynamicCache(config=model.config)
+    if kind == "full-length static":  # sliding layers keep every position (tree_attn applies the window)
+        return hf.verification_cache(model, max_cache_len=max_cache_len)
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
@@ -226,7 +300,7 @@ def assert_logits_close(actual, expected):
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("left_pads", [(0, 0), (0, 3)], ids=["same-prefix", "left-padded"])
 def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
     """One tree forward with tree_attn gives the logits eager / sdpa give with the
@@ -246,7 +320,7 @@ def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
         # are enough to show a read: a masked-out slot still multiplies its value by 0. A
         # static layer that keeps no length counts its non-zero key slots as written.)
         for layer in cache.layers:
-            if not layer.is_sliding:
+            if getattr(layer, "keys", None) is not None and not layer.is_sliding:
                 layer.values[:, :, slot + tree_len:] = math.nan
                 if records_its_length(layer):
                     layer.keys[:, :, slot + tree_len:] = math.nan
@@ -266,9 +340,181 @@ def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
         if cache_kind == "dynamic":
             # The tree's K/V went to the same cache slots as the reference's (the last ones).
             for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+                if layer.keys is None:  # Gemma 4's KV-shared layers keep no cache of their own
+                    continue
                 written = min(tree_len, layer.keys.shape[2])
                 torch.testing.assert_close(layer.keys[:, :, -written:], ref_layer.keys[:, :, -written:])
     model.set_attn_implementation("tree_attn")
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_tree_verify_with_a_dense_4d_mask_matches_eager(kind, cache_kind):
+    """The same tree step given as a dense 4D mask (one per layer type) instead of the
+    compact form: tree_attn takes it as final, alone or with the tree arguments on top
+    (intersected), and matches eager given the same mask."""
+    model = model_for(kind)
+    batch, slot = 2, 9
+    prompt, _ = prompt_and_padding(batch, slot, (0, 0), seed=21)
+    tokens, _, anc, position_ids = tree_inputs(batch, slot, seed=21)
+    max_cache_len = slot + tokens.shape[1] + 4
+    bias = reference_masks(model, anc, slot, cache_kind, max_cache_len)  # float32 additive
+    if isinstance(bias, dict):
+        keep = {name: mask > torch.finfo(torch.float32).min for name, mask in bias.items()}  # bool, True = attend
+    else:
+        keep = bias > torch.finfo(torch.float32).min
+    tree_args = dict(tree_mask=anc, mask_offset=torch.tensor([slot] * batch))
+    runs = {
+        "dense": ("tree_attn", bias, {}),
+        "dense and tree": ("tree_attn", keep, tree_args),
+        "eager": ("eager", bias, {}),  # eager adds the mask to the scores: float only
+    }
+    results = {}
+    for name, (impl, mask, extra) in runs.items():
+        cache = make_cache(cache_kind, model, max_cache_len)
+        prefill(model, impl, cache, prompt)
+        with torch.no_grad():
+            results[name] = model(
+                tokens, position_ids=position_ids, attention_mask=mask, **cache_kwargs(model, cache), **extra
+            ).logits
+    model.set_attn_implementation("tree_attn")
+    assert_logits_close(results["dense"], results["eager"])
+    assert_logits_close(results["dense and tree"], results["eager"])
+
+
+# A tree deeper than the window (WINDOW = 6) whose cache slots run far ahead of its depths:
+# six children of the root (slots 1-6, depth 1), a chain from the last of them down to
+# depth 9 (slots 7-14), and a short branch off node 2. Counting tree keys by slot instead of
+# depth shows node 14 its ancestor 6 (depth 1: 8 positions back, outside the window).
+DEEP_PARENTS = torch.tensor([-1, 0, 0, 0, 0, 0, 0, 6, 7, 8, 9, 10, 11, 12, 13, 2, 15, 16])
+
+
+def leaf_paths(parents):
+    """Root-to-leaf node lists, by walking up from every node that is nobody's parent."""
+    parents = parents.tolist()
+    paths = []
+    for leaf in range(len(parents)):
+        if leaf in parents:
+            continue
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
+
+
+def check_tree_against_sequential_paths(model, prompt, tokens, parents, cache_kind):
+    """Verify the tree with tree_attn on a cache holding the prompt, then compare the
+    logits of every root-to-leaf path with eager's ordinary forward of prompt + path."""
+    slot, tree_len = prompt.shape[1], tokens.shape[0]
+    cache = make_cache(cache_kind, model, slot + tree_len + 3)
+    prefill(model, "tree_attn", cache, prompt)
+    with torch.no_grad():
+        tree_logits = hf.tree_forward(model, tokens, parents, slot, cache).logits[0]
+    model.set_attn_implementation("eager")
+    worst = 0.0
+    try:
+        for path in leaf_paths(parents):
+            sequence = torch.cat([prompt[0], tokens[path]])[None]
+            with torch.no_grad():
+                expected = model(sequence).logits[0, slot:]
+            worst = max(worst, float((tree_logits[path] - expected).abs().max()))
+            assert_logits_close(tree_logits[path], expected)
+    finally:
+        model.set_attn_implementation("tree_attn")
+    return worst
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "full-length static"])
+@pytest.mark.parametrize("kind", SLIDING_KINDS)
+def test_tree_deeper_than_the_window_matches_sequential_paths(kind, cache_kind):
+    """On sliding-window layers the window counts tree positions (prefix + depth) for keys
+    as for queries: every root-to-leaf path of a tree deeper than the window gives the
+    logits of the ordinary forward of that path."""
+    model = model_for(kind)
+    prompt, _ = prompt_and_padding(1, 7, (0,), seed=31)
+    tokens = torch.randint(3, VOCAB, DEEP_PARENTS.shape, generator=torch.Generator().manual_seed(31))
+    check_tree_against_sequential_paths(model, prompt, tokens, DEEP_PARENTS, cache_kind)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_sliding_window_regression_window_2(cache_kind):
+    """The adversarial case that found the slot-counted window: Mistral with window 2,
+    prefix [5, 6, 7], tree [8..12] with parents [-1, 0, 0, 2, 3] (node 4 at depth 3 was off
+    by 6.09 in logits when tree keys were placed at their cache slots)."""
+    torch.manual_seed(1234)
+    model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=2)).eval()
+    model.set_attn_implementation("tree_attn")
+    check_tree_against_sequential_paths(
+        model, torch.tensor([[5, 6, 7]]), torch.tensor([8, 9, 10, 11, 12]), torch.tensor([-1, 0, 0, 2, 3]), cache_kind
+    )
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_sliding_window_regression_gemma2_binary_tree(cache_kind):
+    """The second adversarial case: Gemma 2 (window 5, softcapping) verifying a 100-node
+    binary tree (depth 6) after a 7-token prefix, off by up to 4.6 in logits before;
+    every one of its 50 root-to-leaf paths against the sequential forward."""
+    torch.manual_seed(1234)
+    config = Gemma2Config(
+        **COMMON,
+        sliding_window=5,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = Gemma2ForCausalLM(config).eval()
+    model.set_attn_implementation("tree_attn")
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, 100)])
+    tokens = torch.randint(3, VOCAB, (100,), generator=torch.Generator().manual_seed(61))
+    prompt, _ = prompt_and_padding(1, 7, (0,), seed=61)
+    check_tree_against_sequential_paths(model, prompt, tokens, parents, cache_kind)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_plain_forward_and_decoding_match_eager(kind):
+    """Ordinary use: a left-padded prefill longer than the window, then two single-token
+    decoding steps, give eager's logits."""
+    model = model_for(kind)
+    prompt, padding = prompt_and_padding(2, 9, (0, 3), seed=41)
+    steps = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(41))
+    results = {}
+    for impl in ("tree_attn", "eager"):
+        model.set_attn_implementation(impl)
+        cache = DynamicCache(config=model.config)
+        mask = padding.long()
+        logits = []
+        with torch.no_grad():
+            logits.append(model(prompt, attention_mask=mask, **cache_kwargs(model, cache)).logits)
+            for k in range(2):
+                mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                logits.append(model(steps[:, k:k + 1], attention_mask=mask, **cache_kwargs(model, cache)).logits)
+        results[impl] = torch.cat(logits, dim=1)
+    model.set_attn_implementation("tree_attn")
+    real = torch.cat([padding, torch.ones(2, 2, dtype=torch.bool)], dim=1)  # padded queries' logits are arbitrary
+    assert_logits_close(results["tree_attn"][real], results["eager"][real])
+
+
+@pytest.mark.parametrize("left_pads", [(0, 0), (0, 3)], ids=["same-prefix", "left-padded"])
+def test_gemma4_kv_shared_layers_see_only_the_last_queries(left_pads):
+    """With an int logits_to_keep, Gemma 4 runs its KV-shared layers on the last queries
+    only, slicing the mask along the queries from the end: the causal spec records where
+    the queries end, so those layers still find their queries (they saw key 0 only when it
+    recorded the first query's slot)."""
+    model = model_for("gemma4")
+    prompt, padding = prompt_and_padding(2, 9, left_pads, seed=51)
+    mask = None if padding is None else padding.long()
+    results = {}
+    for impl in ("tree_attn", "eager"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            results[impl] = model(prompt, attention_mask=mask, logits_to_keep=1).logits
+            full = model(prompt, attention_mask=mask).logits[:, -1:]
+        assert_logits_close(results[impl], full)
+    model.set_attn_implementation("tree_attn")
+    assert_logits_close(results["tree_attn"], results["eager"])
 
 
 def test_tree_verify_direct_model_call_with_per_row_prefix_tensor():
@@ -283,7 +529,7 @@ def test_tree_verify_direct_model_call_with_per_row_prefix_tensor():
         cache = DynamicCache(config=model.config)
         prefill(model, impl, cache, prompt)
         extra = (
-            dict(tree_mask=anc, tree_prefix_lens=torch.tensor([slot, slot]))
+            dict(tree_mask=anc, mask_offset=torch.tensor([slot, slot]))
             if impl == "tree_attn"
             else dict(attention_mask=reference_bias(anc, slot, slot + tokens.shape[1]))
         )
@@ -304,7 +550,7 @@ def test_tree_mode_intersects_a_user_dense_mask():
     key_len = slot + tokens.shape[1]
     hidden = torch.zeros(batch, 1, 1, key_len, dtype=torch.bool)
     hidden[1, :, :, 2:4] = True
-    tree_args = dict(tree_mask=anc, tree_prefix_lens=torch.tensor([slot, slot]))
+    tree_args = dict(tree_mask=anc, mask_offset=torch.tensor([slot, slot]))
     user_mask = ~hidden.expand(batch, 1, tokens.shape[1], key_len)  # bool, True = attend
     bias = reference_bias(anc, slot, key_len).masked_fill(hidden, torch.finfo(torch.float32).min)
     runs = {
@@ -326,11 +572,11 @@ def test_tree_mode_intersects_a_user_dense_mask():
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma4", "gpt_oss"])
 def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeypatch):
     """Without padding, tree mode never builds a [T, S] mask: transformers' dense mask
     builder is not called, and every full-attention layer hands the op the [B, T, T] tree
-    mask with the prefix lengths as offsets."""
+    mask with the prefix lengths as offsets (and gpt-oss's sinks, one per query head)."""
     model = model_for(kind)
     batch, slot = 2, 2  # prefix + tree within Gemma's window: its sliding layers stay compact too
     tokens, parents, anc, _ = tree_inputs(batch, slot, tree_len=WINDOW - slot)
@@ -339,11 +585,12 @@ def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeyp
     cache = make_cache(cache_kind, model, slot + tree_len + 3)
     prefill(model, "tree_attn", cache, prompt)
 
-    calls = []
+    calls, sinks_seen = [], []
 
-    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
+    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
         calls.append((tuple(key.shape), tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
-        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap)
+        sinks_seen.append(None if sinks is None else tuple(sinks.shape))
+        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap, sinks)
 
     def no_dense_masks(*args, **kwargs):
         raise AssertionError("a dense mask was built in compact tree mode")
@@ -358,6 +605,8 @@ def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeyp
         assert mask_shape == (batch, tree_len, tree_len), (key_shape, mask_shape)
         assert offsets == [slot] * batch
         assert key_shape[2] >= slot + tree_len
+    heads = model.config.num_attention_heads
+    assert sinks_seen == [(heads,) if kind == "gpt_oss" else None] * len(calls)
 
 
 def test_ordinary_decoding_without_padding_uses_compact_causal_masks(monkeypatch):
@@ -368,9 +617,9 @@ def test_ordinary_decoding_without_padding_uses_compact_causal_masks(monkeypatch
     prompt, _ = prompt_and_padding(2, 6, (0, 0), seed=8)
     calls = []
 
-    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None):
+    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
         calls.append((tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
-        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap)
+        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap, sinks)
 
     def no_dense_masks(*args, **kwargs):
         raise AssertionError("a dense mask was built for a plain causal forward")
@@ -399,18 +648,20 @@ def test_tree_mode_rejects_bad_tree_arguments():
             model(tokens, **cache_kwargs(model, cache), **tree_args)
 
     with pytest.raises(ValueError, match=r"tree_mask must have shape \[B=1 or 1, T=3, T=3\]"):
-        call(tree_mask=torch.ones(1, 4, 4, dtype=torch.bool), tree_prefix_lens=torch.tensor([5]))
+        call(tree_mask=torch.ones(1, 4, 4, dtype=torch.bool), mask_offset=torch.tensor([5]))
     with pytest.raises(TypeError, match="tree_mask must be bool"):
-        call(tree_mask=torch.zeros(1, 3, 3), tree_prefix_lens=torch.tensor([5]))
-    with pytest.raises(ValueError, match="needs both tree_mask and tree_prefix_lens"):
+        call(tree_mask=torch.zeros(1, 3, 3), mask_offset=torch.tensor([5]))
+    with pytest.raises(TypeError, match="tree_prefix_lens was renamed mask_offset"):
+        call(tree_mask=chain, tree_prefix_lens=torch.tensor([5]))
+    with pytest.raises(ValueError, match="needs both tree_mask and mask_offset"):
         call(tree_mask=chain)
-    with pytest.raises(ValueError, match=r"tree_prefix_lens must have shape \[B=1\]"):
-        call(tree_mask=chain, tree_prefix_lens=torch.tensor([5, 5]))
-    with pytest.raises(ValueError, match=r"tree_prefix_lens \[4\] do not match the cache: .* slot \[5\]"):
-        call(tree_mask=chain, tree_prefix_lens=torch.tensor([4]))
+    with pytest.raises(ValueError, match=r"mask_offset has 2 entries, expected 1 "):
+        call(tree_mask=chain, mask_offset=torch.tensor([5, 5]))
+    with pytest.raises(ValueError, match=r"mask_offset \[4\] does not match the cache: .* slot \[5\]"):
+        call(tree_mask=chain, mask_offset=torch.tensor([4]))
     cache = DynamicCache(config=model.config)
     prefill(model, "tree_attn", cache, prompt)
-    with pytest.raises(ValueError, match=r"prefix_lens \[4\] must equal the cache length 5"):
+    with pytest.raises(ValueError, match=r"mask_offset \[4\] must equal the cache length 5"):
         hf.tree_forward(model, tokens[0], torch.tensor([-1, 0, 0]), 4, cache)
 
 
@@ -428,15 +679,20 @@ def test_tree_mode_rejects_bad_tree_arguments():
         ("mistral", None),
         ("gemma2", None),
         ("gemma2", "static"),
+        ("gemma4", None),
+        ("gemma4", "static"),
+        ("gpt_oss", None),
+        ("gpt_oss", "static"),
     ],
 )
 def test_greedy_generation_matches_reference(kind, cache_implementation):
-    """generate() with a left-padded 2D mask gives the same tokens as sdpa (eager for
-    Gemma 2), prompts longer than the sliding window included."""
+    """generate() with a left-padded 2D mask gives the same tokens as eager and sdpa (eager
+    only for Gemma 2 and gpt-oss), prompts longer than the sliding window included. (Gemma 4's
+    KV-shared layers see only the last query of the prefill there: logits_to_keep.)"""
     model = model_for(kind)
     prompt, padding = prompt_and_padding(2, 9, (0, 3), seed=7)
     outputs = {}
-    for impl in ("tree_attn", references_for(kind)[-1]):
+    for impl in ("tree_attn", *references_for(kind)):
         model.set_attn_implementation(impl)
         with torch.no_grad():
             outputs[impl] = model.generate(
@@ -448,9 +704,10 @@ def test_greedy_generation_matches_reference(kind, cache_implementation):
                 pad_token_id=COMMON["pad_token_id"],
             )
     model.set_attn_implementation("tree_attn")
-    (ours, theirs) = outputs.values()
+    ours = outputs.pop("tree_attn")
     assert ours.shape == (2, 9 + 8)
-    assert torch.equal(ours, theirs)
+    for impl, theirs in outputs.items():
+        assert torch.equal(ours, theirs), impl
 
 
 def test_ordinary_forward_logits_match_sdpa_with_user_4d_mask():
@@ -475,14 +732,18 @@ def test_ordinary_forward_logits_match_sdpa_with_user_4d_mask():
 # ----------------------------------------------------------------------------------------
 
 
-def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile():
+@pytest.mark.parametrize("kind", ["llama", "gemma4", "gpt_oss"])
+def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile(kind):
     """StaticCache + torch.compile(fullgraph=True): verify steps with changing prefix
     lengths (a tensor), trees and positions reuse one graph and match eager mode."""
     torch._dynamo.reset()
-    model = model_for("llama")
+    model = model_for(kind)
     model.set_attn_implementation("tree_attn")
     batch, tree_len, prefix_len = 1, 8, 6
-    cache = StaticCache(config=model.config, max_cache_len=40)
+    # Sliding layers of full length (tree_attn applies the window): transformers' own static
+    # sliding layer guards on a Python int length, and cannot crop once past the window.
+    cache = hf.verification_cache(model, max_cache_len=40)
+    assert all(not getattr(layer, "is_sliding", False) for layer in cache.layers)
     prompt, _ = prompt_and_padding(batch, prefix_len, (0,), seed=11)
     prefill(model, "tree_attn", cache, prompt)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -498,7 +759,7 @@ def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile():
                 position_ids=prefix_len + anc.sum(-1) - 1,
                 **cache_kwargs(model, cache),
                 tree_mask=anc,
-                tree_prefix_lens=torch.tensor([prefix_len]),
+                mask_offset=torch.tensor([prefix_len]),
             )
             expected = model(**inputs).logits
             crop(cache, tree_len)

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torch_tree_attn._hf_compat import cache_kwargs
+from torch_tree_attn.hf import compact_kv_cache
 from torch_tree_attn.tree import (
     DraftTree,
     ancestor_mask,
     build_dynamic_tree,
-    compact_kv_cache,
     dense_tree_mask,
     leaf_mask,
     node_depths,
@@ -111,12 +111,12 @@ def test_batched_trees_match_each_tree(forest, seed):
     parents, valid = pad_trees([torch.tensor(t) for t in forest])
     B, T = parents.shape
     assert T == max(len(t) for t in forest)
-    prefix_lens = torch.tensor([random.Random(seed + b).randrange(20) for b in range(B)])
+    mask_offset = torch.tensor([random.Random(seed + b).randrange(20) for b in range(B)])
 
     masks, depths, leaves = ancestor_mask(parents), node_depths(parents), leaf_mask(parents)
-    positions = position_ids(parents, prefix_lens)
+    positions = position_ids(parents, mask_offset)
     paths = retrieve_indices(parents, valid)
-    dense = dense_tree_mask(parents, prefix_lens, kv_len=40 + T)
+    dense = dense_tree_mask(parents, mask_offset, kv_len=40 + T)
     for b, tree in enumerate(forest):
         n = len(tree)
         assert valid[b].tolist() == [True] * n + [False] * (T - n)
@@ -127,13 +127,22 @@ def test_batched_trees_match_each_tree(forest, seed):
         assert not masks[b, :n, n:].any()
         assert torch.equal(depths[b, :n], node_depths(single))
         assert torch.equal(leaves[b, :n], leaf_mask(single))
-        assert torch.equal(positions[b, :n], position_ids(single, int(prefix_lens[b]))[0])
+        assert torch.equal(positions[b, :n], position_ids(single, int(mask_offset[b]))[0])
         expected_paths = torch.tensor(bf_retrieve(tree))
         L, W = expected_paths.shape
         assert torch.equal(paths[b, :L, :W], expected_paths)
         assert (paths[b, L:] == -1).all() and (paths[b, :, W:] == -1).all()
-        single_dense = dense_tree_mask(single, int(prefix_lens[b]), kv_len=40 + T)
+        single_dense = dense_tree_mask(single, int(mask_offset[b]), kv_len=40 + T)
         assert torch.equal(dense[b, :, :n], single_dense[0])
+
+
+def test_tree_module_does_not_import_transformers():
+    """tree.py is plain torch: transformers-specific code (cache compaction) lives in hf.py."""
+    import subprocess
+    import sys
+
+    code = "import sys, torch_tree_attn.tree; assert 'transformers' not in sys.modules, 'transformers imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_prefix_lengths_broadcast():
@@ -142,9 +151,9 @@ def test_prefix_lengths_broadcast():
     batch, _ = pad_trees([p, torch.tensor([-1, 0])])
     assert position_ids(batch, 2).tolist() == [[2, 3, 4, 3], [2, 3, 2, 2]]
     assert torch.equal(dense_tree_mask(batch, 2)[1], dense_tree_mask(batch, torch.tensor([2, 2]))[1])
-    with pytest.raises(ValueError, match=r"prefix_lens has 3 entries, expected 1 or 2"):
+    with pytest.raises(ValueError, match=r"mask_offset has 3 entries, expected 1 or 2"):
         position_ids(batch, torch.tensor([1, 2, 3]))
-    with pytest.raises(ValueError, match=r"prefix_lens must be >= 0"):
+    with pytest.raises(ValueError, match=r"mask_offset must be >= 0"):
         dense_tree_mask(p, -1)
 
 

@@ -1,7 +1,7 @@
 """Hugging Face transformers integration: ``attn_implementation="tree_attn"``.
 
 After :func:`register`, any decoder-only model whose attention goes through transformers'
-``AttentionInterface`` (Llama, Qwen2/3, Mistral, Gemma 2/3, ...) can be loaded with
+``AttentionInterface`` (Llama, Qwen2/3, Mistral, Gemma 2/3/4, gpt-oss, ...) can be loaded with
 ``attn_implementation="tree_attn"`` (or switched with ``model.set_attn_implementation``)
 and then
 
@@ -11,13 +11,13 @@ and then
 * verifies a whole draft tree in one forward::
 
       model(input_ids=tree_tokens,                 # [B, T]
-            position_ids=prefix_lens[:, None] + depth,
+            position_ids=mask_offset[:, None] + depth,
             cache=cache,                           # or past_key_values=cache
             tree_mask=ancestor_mask,               # bool [B, T, T] ancestor-or-self
-            tree_prefix_lens=prefix_lens)          # int64 [B]: cache slot of node 0
+            mask_offset=mask_offset)               # int64 [B]: prefix lengths, cache slot of node 0
 
   Each layer's attention then calls :func:`torch_tree_attn.tree_attention` with
-  ``mask=tree_mask, mask_offset=tree_prefix_lens``: the cache slots before the tree are
+  ``mask=tree_mask, mask_offset=mask_offset`` (and gpt-oss's attention sinks): the cache slots before the tree are
   visible, the tree follows its mask, slots past ``prefix + T`` are never read, and no
   ``[T, S]`` mask exists anywhere (see "Dense fallbacks" for the cases that need one).
 
@@ -50,9 +50,10 @@ Dense fallbacks
   before the tree: as the dense mask says; tree keys: also only ancestors-or-self; keys
   after the tree: never).
 * A sliding-window layer whose key tensor is longer than the window. In tree mode the
-  window counts tree positions: node i at ``prefix + depth(i)`` sees cache slot ``p``
-  iff ``prefix + depth(i) - p < window`` (transformers' own masks would count cache
-  slots, which is wrong for all but a chain). transformers' sliding cache layers keep
+  window counts tree positions, for queries and keys alike: node i sits at ``prefix +
+  depth(i)``, a key before the tree at its cache slot, and node i sees key k iff
+  ``pos(i) - pos(k) < window`` (transformers' own masks would count cache slots, which is
+  wrong for all but a chain: a tree node's slot ``prefix + j`` runs ahead of its depth). transformers' sliding cache layers keep
   at most ``window - 1`` old keys, so such masks are at most ``[B, 1, T, window - 1 + T]``.
   The window comes from the layer's ``sliding_window`` argument (checked against the
   mask's on CPU outside compiled code).
@@ -61,7 +62,7 @@ Batching
 --------
 transformers' caches write every batch row at the same cache slot, so within one
 forward all rows' trees start at the same slot ``L`` (the cache length):
-``tree_prefix_lens`` is ``L`` in every row. Rows with shorter real prefixes are
+``mask_offset`` is ``L`` in every row. Rows with shorter real prefixes are
 left-padded: pass the 2D ``attention_mask`` ``[B, L + T]`` and position ids that count
 real tokens only (:func:`tree_forward` does both). The op itself takes per-row offsets,
 so a cache that writes rows at different slots would work unchanged.
@@ -69,16 +70,25 @@ so a cache that writes rows at different slots would work unchanged.
 torch.compile
 -------------
 The attention and mask functions trace with ``fullgraph=True``. With a ``StaticCache``
-and ``tree_prefix_lens`` passed as a tensor (same shape every step), consecutive verify
-steps reuse one graph. A Python int / list for ``tree_prefix_lens`` is accepted but
+and ``mask_offset`` passed as a tensor (same shape every step), consecutive verify
+steps reuse one graph. A Python int / list for ``mask_offset`` is accepted but
 becomes a constant of the graph (a recompile whenever it changes). Models with
-sliding-window layers (Mistral, Gemma) get transformers' ``StaticSlidingWindowLayer``,
-which tracks its length in a Python int that the graph guards on: those recompile per
-new cache length whatever the attention, and once past the window the layer cannot be
-rolled back (``crop``) after a verify step.
+sliding-window layers (Mistral, Gemma, gpt-oss) get transformers'
+``StaticSlidingWindowLayer`` in a plain ``StaticCache``, which tracks its length in a
+Python int that the graph guards on: those recompile per new cache length whatever the
+attention, and once past the window the layer cannot be rolled back (``crop``) after a
+verify step. :func:`verification_cache` gives them full-length layers instead (tree_attn
+applies the window): one graph for every step.
 
-Not supported (clear errors): attention dropout, attention sinks (``s_aux``), a float
+Attention sinks (gpt-oss's ``s_aux``, the attention module's ``sinks``) are passed to the
+op as its ``sinks``. Not supported (clear errors): attention dropout, a float
 ``tree_mask``. ``output_attentions`` returns no weights.
+
+KV-cache compaction
+-------------------
+After verification, :func:`compact_kv_cache` keeps the accepted path in a DynamicCache /
+StaticCache (the transformers-specific part of the loop; the tree logic itself is in
+:mod:`torch_tree_attn.tree`, which does not import transformers).
 
 transformers versions
 ---------------------
@@ -95,7 +105,7 @@ many keys as queries. For a tree that is a verify step at cache slot 0 on a slid
 layer whose window is shorter than the tree: its window is then counted in cache slots,
 as transformers' own masks count it (pass a 2D ``attention_mask`` to avoid that).
 """
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from transformers import masking_utils
@@ -104,9 +114,16 @@ from transformers.modeling_utils import AttentionInterface
 
 from . import _hf_compat as _compat
 from .ops import tree_attention
-from .tree import ancestor_mask
+from .tree import _mask_depths, _mask_offset_tensor, ancestor_mask
 
-__all__ = ["register", "tree_attention_forward", "tree_attention_mask", "tree_forward"]
+__all__ = [
+    "register",
+    "tree_attention_forward",
+    "tree_attention_mask",
+    "tree_forward",
+    "verification_cache",
+    "compact_kv_cache",
+]
 
 def register(name: str = "tree_attn") -> None:
     """Register the tree-attention implementation under ``name`` with transformers.
@@ -135,14 +152,17 @@ def register(name: str = "tree_attn") -> None:
 # --------------------------------------------------------------------------------------
 #
 # A "causal spec" stands in for a causal mask: int64 [B, 1, 1, 2 + K] holding
-#   [..., 0]   the key index of the first query (q_offset - kv_offset),
+#   [..., 0]   the key index just after the last query (q_offset - kv_offset + q_length):
+#              the end, not the start, so that a layer that gets only the last queries
+#              (Gemma 4's KV-shared layers under generate's logits_to_keep slice the
+#              queries, and the mask along them, from the end) still finds its queries,
 #   [..., 1]   the sliding window transformers asked for (0: none),
 #   [..., 2:]  K = 0 when nothing is padded, else K = kv_length flags (1 = real key).
 # Its size is O(B * S) at worst, never O(T * S). It is 4D, so transformers passes it on
 # untouched (generate() included), and integer, so it cannot be confused with a user's
 # bool / float mask.
 
-_SPEC_FIRST_QUERY, _SPEC_WINDOW, _SPEC_PADDING = 0, 1, 2
+_SPEC_QUERY_END, _SPEC_WINDOW, _SPEC_PADDING = 0, 1, 2
 
 
 def tree_attention_mask(
@@ -194,7 +214,7 @@ def tree_attention_mask(
         )
     header = torch.stack(
         [
-            torch.as_tensor(q_offset, device=device, dtype=torch.int64).reshape(()) - kv_offset,
+            torch.as_tensor(q_offset, device=device, dtype=torch.int64).reshape(()) - kv_offset + q_length,
             torch.tensor(local_size or 0, device=device, dtype=torch.int64),
         ]
     ).expand(batch_size, 2)
@@ -233,11 +253,12 @@ def _is_causal_spec(attention_mask) -> bool:
 
 
 class _CausalSpec:
-    """A decoded causal spec: first query index [B], padding bool [B, S] or None."""
+    """A decoded causal spec for a layer's ``q_len`` queries (the last ones of the forward):
+    first query index [B], padding bool [B, S] or None."""
 
-    def __init__(self, spec: torch.Tensor, key_len: int, sliding_window: Optional[int]):
+    def __init__(self, spec: torch.Tensor, key_len: int, q_len: int, sliding_window: Optional[int]):
         spec = spec.reshape(spec.shape[0], -1)
-        self.first_query = spec[:, _SPEC_FIRST_QUERY]
+        self.first_query = spec[:, _SPEC_QUERY_END] - q_len
         padded_keys = spec.shape[1] - _SPEC_PADDING
         if padded_keys == 0:
             self.padding = None
@@ -275,7 +296,8 @@ def tree_attention_forward(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     tree_mask: Optional[torch.Tensor] = None,
-    tree_prefix_lens=None,
+    mask_offset=None,
+    s_aux: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
     """Attention function for ``AttentionInterface``.
@@ -283,21 +305,23 @@ def tree_attention_forward(
     query ``[B, Hq, T, D]`` (after RoPE), key/value ``[B, Hkv, S, D]`` after the cache
     update, not repeated for GQA. ``attention_mask`` is what :func:`tree_attention_mask`
     returned, a dense 4D mask passed by the user, or None. ``sliding_window`` and
-    ``softcap`` come from the attention layer. With ``tree_mask`` / ``tree_prefix_lens``
-    among the model's keyword arguments the forward is a tree verification. Returns
-    ``(attn_output [B, T, Hq, D], None)``.
+    ``softcap`` come from the attention layer, ``s_aux`` (gpt-oss's attention sinks, the
+    module's ``sinks`` parameter, ``[Hq]``) too: it joins every row's softmax denominator.
+    With ``tree_mask`` / ``mask_offset`` among the model's keyword arguments the forward is
+    a tree verification. Returns ``(attn_output [B, T, Hq, D], None)``.
     """
     if dropout:
         raise ValueError(f"tree_attn: attention dropout is not supported (got dropout={dropout}); call model.eval()")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("tree_attn: attention sinks (s_aux) are not supported")
+    if "tree_prefix_lens" in kwargs:
+        raise TypeError("tree_attn: tree_prefix_lens was renamed mask_offset (the op's name for the prefix lengths)")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"tree_attn: sliding_window must be positive, got {sliding_window}")
     key_len = key.shape[2]
-    spec = _CausalSpec(attention_mask, key_len, sliding_window) if _is_causal_spec(attention_mask) else None
+    q_len = query.shape[2]
+    spec = _CausalSpec(attention_mask, key_len, q_len, sliding_window) if _is_causal_spec(attention_mask) else None
     dense = None if spec is not None else _check_dense_mask(attention_mask, query, key_len)
-    if tree_mask is not None or tree_prefix_lens is not None:
-        mask, mask_offset = _tree_mode_mask(query, key_len, spec, dense, tree_mask, tree_prefix_lens, sliding_window)
+    if tree_mask is not None or mask_offset is not None:
+        mask, mask_offset = _tree_mode_mask(query, key_len, spec, dense, tree_mask, mask_offset, sliding_window)
     elif spec is not None:
         mask, mask_offset = _causal_mask(query, key_len, spec, sliding_window)
     elif dense is not None:
@@ -307,7 +331,8 @@ def tree_attention_forward(
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
         mask, mask_offset = _unmasked(query, key_len, is_causal)
-    out = tree_attention(query, key, value, mask, mask_offset, scaling, softcap)
+    sinks = None if s_aux is None else s_aux.to(query.device)
+    out = tree_attention(query, key, value, mask, mask_offset, scaling, softcap, sinks)
     return out.transpose(1, 2), None
 
 
@@ -357,17 +382,18 @@ def _unmasked(query, key_len, is_causal):
     return everything, torch.full((batch,), key_len, dtype=torch.int64, device=query.device)
 
 
-def _tree_mode_mask(query, key_len, spec, dense, tree_mask, tree_prefix_lens, sliding_window):
+def _tree_mode_mask(query, key_len, spec, dense, tree_mask, mask_offset, sliding_window):
     batch, _, q_len, _ = query.shape
     device = query.device
-    if tree_mask is None or tree_prefix_lens is None:
+    if tree_mask is None or mask_offset is None:
         raise ValueError(
-            "tree_attn: tree verification needs both tree_mask and tree_prefix_lens, got "
+            "tree_attn: tree verification needs both tree_mask and mask_offset, got "
             f"tree_mask={'None' if tree_mask is None else tuple(tree_mask.shape)}, "
-            f"tree_prefix_lens={'None' if tree_prefix_lens is None else tree_prefix_lens!r}"
+            f"mask_offset={'None' if mask_offset is None else mask_offset!r}"
         )
     tree_mask = _check_tree_mask(tree_mask, batch, q_len, device)
-    prefix = _check_prefix_lens(tree_prefix_lens, batch, device)
+    # Values are checked by the op on CPU; elsewhere reading them would sync.
+    prefix = _mask_offset_tensor(mask_offset, batch, device, check_values=False).expand(batch)
     if dense is not None and dense.shape[-1] != key_len:
         raise ValueError(
             f"tree_attn: the 4D attention_mask covers {dense.shape[-1]} keys but the layer has S={key_len} "
@@ -385,7 +411,7 @@ def _tree_mode_mask(query, key_len, spec, dense, tree_mask, tree_prefix_lens, sl
         # transformers knows where this forward's tokens went: the tree must start there.
         if not bool((tree_start == spec.first_query).all()):
             raise ValueError(
-                f"tree_attn: tree_prefix_lens {prefix.tolist()} do not match the cache: this forward's tokens "
+                f"tree_attn: mask_offset {prefix.tolist()} does not match the cache: this forward's tokens "
                 f"were written at cache slot {spec.first_query.tolist()} of this layer's keys (transformers' "
                 "caches write every row at the cache length)"
             )
@@ -399,10 +425,15 @@ def _tree_mode_mask(query, key_len, spec, dense, tree_mask, tree_prefix_lens, sl
     if padding is not None:
         visible = visible & padding[:, None, :]
     if window_active:
-        # By tree position: node i sits at prefix + depth(i), not at its cache slot.
-        depth = tree_mask.sum(dim=-1) - 1  # [B or 1, T]
+        # By tree position, for queries and keys alike: tree node i sits at position
+        # prefix + depth(i), not at its cache slot prefix + i; a key before the tree at its
+        # slot. Key index j holds cache slot j + evicted.
+        depth = _mask_depths(tree_mask).expand(batch, q_len)  # [B, T]
         query_pos = prefix[:, None] + depth  # [B, T]
-        key_pos = torch.arange(key_len, device=device)[None, :] + evicted[:, None]  # [B, S]
+        key_slot = torch.arange(key_len, device=device)[None, :] + evicted[:, None]  # [B, S]
+        rel = key_slot - prefix[:, None]  # [B, S]: index in the tree for tree keys
+        tree_key_pos = prefix[:, None] + depth.gather(1, rel.clamp(0, q_len - 1))
+        key_pos = torch.where(rel >= 0, tree_key_pos, key_slot)  # keys after the tree are hidden anyway
         visible = visible & (query_pos[:, :, None] - key_pos[:, None, :] < sliding_window)
     visible = visible[:, None]  # [B, 1, T, S]
     if dense is None:
@@ -436,32 +467,21 @@ def _check_tree_mask(tree_mask, batch, q_len, device):
     return tree_mask.to(device=device, dtype=torch.bool)
 
 
-def _check_prefix_lens(tree_prefix_lens, batch, device):
-    prefix = torch.as_tensor(tree_prefix_lens, device=device)
-    if prefix.dtype.is_floating_point or prefix.dtype == torch.bool:
-        raise TypeError(f"tree_attn: tree_prefix_lens must be integers, got dtype {prefix.dtype}")
-    if prefix.dim() == 0:
-        prefix = prefix.expand(batch)
-    if prefix.shape != (batch,):
-        raise ValueError(f"tree_attn: tree_prefix_lens must have shape [B={batch}], got {tuple(prefix.shape)}")
-    return prefix.to(torch.int64)
-
-
 # --------------------------------------------------------------------------------------
 # Convenience
 # --------------------------------------------------------------------------------------
 
 
-def tree_forward(model, tokens, parents, prefix_lens, cache, **model_kwargs):
+def tree_forward(model, tokens, parents, mask_offset, cache, **model_kwargs):
     """Verify draft trees in one forward of ``model`` (loaded with a registered tree_attn).
 
     Args:
         tokens: int64 ``[B, T]`` (or ``[T]``) tree tokens, node 0 the root.
         parents: int64 ``[B, T]`` (or ``[T]``) parent indices, -1 for the root, parents
             before children.
-        prefix_lens: the cache slot where every row's tree is written, i.e. the cache
-            length (int, or int tensor ``[B]``; transformers' caches need it equal in all
-            rows).
+        mask_offset: the prefix lengths: the cache slot where every row's tree is
+            written, i.e. the cache length (int, or int tensor ``[B]``; transformers'
+            caches need it equal in all rows).
         cache: a transformers ``Cache`` (DynamicCache, StaticCache) holding the prefix.
         model_kwargs: passed to the model. ``attention_mask`` may be a 2D padding mask
             over ``[B, prefix]`` or ``[B, prefix + T]`` for left-padded rows; position ids
@@ -480,19 +500,17 @@ def tree_forward(model, tokens, parents, prefix_lens, cache, **model_kwargs):
             f"tree_forward: parents shape {tuple(parents.shape)} must match tokens shape {tuple(tokens.shape)}"
         )
     device = tokens.device
-    prefix = torch.as_tensor(prefix_lens, device=device, dtype=torch.int64)
-    if prefix.dim() == 0:
-        prefix = prefix.expand(batch)
+    prefix = _mask_offset_tensor(mask_offset, batch, device).expand(batch)
     if cache is not None and not torch.compiler.is_compiling():
         cached = int(cache.get_seq_length())
         if bool((prefix != cached).any()):
             raise ValueError(
-                f"tree_forward: prefix_lens {prefix.tolist()} must equal the cache length {cached} in every row "
+                f"tree_forward: mask_offset {prefix.tolist()} must equal the cache length {cached} in every row "
                 "(transformers' caches write all rows at the same slot; left-pad shorter rows and pass attention_mask)"
             )
 
     mask = ancestor_mask(parents.to(device))
-    depth = mask.sum(dim=-1) - 1
+    depth = _mask_depths(mask)
 
     real_prefix = prefix
     attention_mask = model_kwargs.pop("attention_mask", None)
@@ -504,7 +522,7 @@ def tree_forward(model, tokens, parents, prefix_lens, cache, **model_kwargs):
         if attention_mask.dim() != 2 or width not in (slot, slot + q_len) or bool((prefix != slot).any()):
             raise ValueError(
                 "tree_forward: attention_mask must be a 2D padding mask over [B, prefix] or [B, prefix + T] with "
-                f"one prefix length for all rows, got shape {tuple(attention_mask.shape)}, prefix_lens "
+                f"one prefix length for all rows, got shape {tuple(attention_mask.shape)}, mask_offset "
                 f"{prefix.tolist()}, T={q_len}"
             )
         if width == slot:
@@ -514,5 +532,146 @@ def tree_forward(model, tokens, parents, prefix_lens, cache, **model_kwargs):
     model_kwargs.setdefault("position_ids", real_prefix[:, None] + depth)
     model_kwargs.setdefault("use_cache", True)
     model_kwargs.update(_compat.cache_kwargs(model, cache))
-    return model(input_ids=tokens, tree_mask=mask, tree_prefix_lens=prefix, **model_kwargs)
+    return model(input_ids=tokens, tree_mask=mask, mask_offset=prefix, **model_kwargs)
 
+
+# --------------------------------------------------------------------------------------
+# KV cache compaction (transformers 5.x caches)
+# --------------------------------------------------------------------------------------
+
+_COMPACTABLE_LAYERS = ("DynamicLayer", "StaticLayer", "DynamicSlidingWindowLayer", "StaticSlidingWindowLayer")
+
+
+def verification_cache(model, max_cache_len: Optional[int] = None):
+    """A transformers cache for a tree-verification loop on ``model``: a DynamicCache
+    (``max_cache_len=None``) or a StaticCache of ``max_cache_len`` positions whose
+    sliding-window layers are replaced by full-length ones (DynamicLayer / StaticLayer).
+
+    transformers' sliding cache layers drop the keys that left the window, so after a
+    verify step past the window the accepted path cannot be compacted
+    (:func:`compact_kv_cache`) or the step rolled back (``crop``), and the static one
+    keeps its length in a Python int that compiled graphs guard on (a recompile per cache
+    length). Full-length layers keep every position; tree_attn applies the window itself,
+    by tree position (see "Dense fallbacks"), as it does for eager and sdpa masks. Layers
+    that keep no KV of their own (Gemma 4's KV-shared layers) stay as they are. For a model
+    without sliding layers this is the ordinary cache.
+    """
+    from transformers import DynamicCache, StaticCache
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    if max_cache_len is None:
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    for index, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            cache.layers[index] = DynamicLayer() if max_cache_len is None else StaticLayer(max_cache_len=max_cache_len)
+    if isinstance(vars(cache).get("is_sliding"), list):  # a release that stores the flags instead of deriving them
+        cache.is_sliding = [getattr(layer, "is_sliding", False) for layer in cache.layers]
+    return cache
+
+
+def _layer_kind(layer) -> str:
+    # Exact class names: subclasses such as quantized or indexed layers keep more state
+    # than keys/values, which moving keys/values alone would corrupt.
+    kind = type(layer).__name__
+    if kind not in _COMPACTABLE_LAYERS:
+        raise TypeError(
+            f"compact_kv_cache supports {', '.join(_COMPACTABLE_LAYERS)} cache layers "
+            f"(sliding-window ones only before they slide), got a {kind} layer"
+        )
+    return kind
+
+
+def _compact_layer(layer, prefix_len: int, source: torch.Tensor, new_len: int) -> None:
+    keys, values = layer.keys, layer.values
+    n = source.shape[-1]
+    dst = slice(prefix_len, prefix_len + n)
+    for cache_tensor in (keys, values):
+        if source.dim() == 1:
+            moved = cache_tensor.index_select(2, source)
+        else:  # one path per batch row
+            B, H, _, D = cache_tensor.shape
+            moved = cache_tensor.gather(2, source[:, None, :, None].expand(B, H, n, D))
+        # `moved` is a copy, so overlapping source and destination slots are safe.
+        cache_tensor[:, :, dst].copy_(moved)
+    # Where the layer records its length depends on the transformers release; a static
+    # layer's is reset in place (fixed addresses under torch.compile).
+    _compat.set_layer_length(layer, new_len)
+
+
+def compact_kv_cache(cache, mask_offset: int, accepted: Union[torch.Tensor, Sequence[int]]) -> int:
+    """Keep only the accepted path of a verified tree in a transformers cache.
+
+    After a tree verify forward, tree node i's K/V sits at position ``mask_offset + i``.
+    This moves the K/V of node ``accepted[k]`` to position ``mask_offset + k`` in every
+    layer, in place on the cache's device, and sets the cache length to
+    ``mask_offset + len(accepted)``: a DynamicCache is cut there; a StaticCache keeps its
+    buffers and resets its length, so the next forward writes right after the path.
+
+    Args:
+        cache: a transformers 5.x ``DynamicCache`` or ``StaticCache`` (anything whose
+            ``layers`` are DynamicLayer / StaticLayer). Sliding-window layers work only
+            while nothing has slid out of their window.
+        mask_offset: number of committed tokens before the tree (the verify step's
+            ``mask_offset``), an int.
+        accepted: int64 ``[n]`` tree node indices (as from ``verify_greedy``), applied to
+            every batch row, or ``[B, n]`` with one path per row.
+
+    Returns:
+        The new cache length, ``mask_offset + n`` (the next step's ``mask_offset``).
+    """
+    if not hasattr(cache, "layers"):
+        raise TypeError(f"cache must be a transformers Cache with .layers, got {type(cache).__name__}")
+    if not isinstance(mask_offset, int) or isinstance(mask_offset, bool):
+        raise TypeError(f"mask_offset must be an int (the prefix length), got {type(mask_offset).__name__}")
+    _mask_offset_tensor(mask_offset, 1, "cpu")  # the one prefix-length validator: >= 0
+    prefix_len = mask_offset
+    if not isinstance(accepted, torch.Tensor):
+        accepted = torch.tensor(list(accepted), dtype=torch.int64)
+    if accepted.dtype not in (torch.int32, torch.int64) or accepted.dim() not in (1, 2) or accepted.shape[-1] == 0:
+        raise ValueError(
+            f"accepted must be a non-empty int tensor [n] or [B, n], got {accepted.dtype} {tuple(accepted.shape)}"
+        )
+    n = accepted.shape[-1]
+    new_len = prefix_len + n
+
+    # Layers that hold no KV of their own (transformers' DummyLayer: Gemma 4's KV-shared
+    # layers, attention-free layers) have nothing to move.
+    layers = [
+        layer for layer in cache.layers
+        if getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None
+    ]
+    if not layers:
+        raise ValueError("compact_kv_cache got a cache with no initialized layer (run the tree forward first)")
+    kinds = [_layer_kind(layer) for layer in layers]
+    for layer, kind in zip(layers, kinds):
+        if kind == "DynamicSlidingWindowLayer" and layer.keys.shape[-2] != _compat.layer_length(layer):
+            raise NotImplementedError(
+                f"a DynamicSlidingWindowLayer holding {layer.keys.shape[-2]} of {_compat.layer_length(layer)} "
+                "positions has already dropped keys; compaction needs them all"
+            )
+        if kind == "StaticSlidingWindowLayer" and _compat.layer_length(layer) > layer.max_cache_len:
+            raise NotImplementedError(
+                f"a StaticSlidingWindowLayer of window {layer.max_cache_len} has slid past "
+                f"({_compat.layer_length(layer)} positions written); compaction needs them all"
+            )
+        if accepted.dim() == 2 and accepted.shape[0] != layer.keys.shape[0]:
+            raise ValueError(f"accepted has {accepted.shape[0]} rows but the cache batch is {layer.keys.shape[0]}")
+    if not torch.compiler.is_compiling():
+        # All layers of one cache hold the same positions; one host read checks them.
+        length = _compat.layer_length(layers[0])
+        low, high = torch.stack([accepted.min(), accepted.max()]).tolist()
+        if low < 0 or prefix_len + high >= length:
+            raise ValueError(
+                f"accepted nodes must lie in the tree slots [0, {length - prefix_len}) after mask_offset="
+                f"{prefix_len} (cache length {length}), got min {low}, max {high}"
+            )
+
+    sources = {}
+    for layer in layers:
+        device = layer.keys.device
+        if device not in sources:
+            sources[device] = accepted.to(device=device, dtype=torch.int64) + prefix_len
+        _compact_layer(layer, prefix_len, sources[device], new_len)
+    return new_len

@@ -32,7 +32,7 @@ def tree_attention(
             For batch row b, keys ``j < off_b`` are always attended (the committed
             prefix), keys in the window follow the mask, keys ``j >= off_b + M`` are never
             read. A dense HF mask is ``mask_offset=None, M=S``; the compact tree form is
-            an ancestor-or-self ``[B, T, T]`` mask with ``mask_offset=prefix_lens`` and
+            an ancestor-or-self ``[B, T, T]`` mask with ``mask_offset`` = the prefix lengths and
             the tree's K/V at ``[off_b, off_b + T)``. ``M = 0`` (prefix only) is legal.
             CPU checks ``0 <= off_b`` and ``off_b + M <= S``; MPS/CUDA do not read the
             offsets on the host (that would sync) and clamp instead: keys outside

@@ -1,11 +1,13 @@
-"""Draft trees for speculative decoding: structure, EAGLE-2/3 dynamic drafting,
-verification, and KV-cache compaction.
+"""Draft trees for speculative decoding: structure, EAGLE-2/3 dynamic drafting and
+verification. Plain torch: nothing here knows transformers (compacting a transformers KV
+cache after verification is :func:`torch_tree_attn.hf.compact_kv_cache`).
 
 A tree is a ``parents`` int64 tensor ``[T]`` (or ``[B, T]`` for a batch of trees padded
 to a common T): ``parents[0] == -1`` is the root and ``parents[i] < i`` for every other
 node, so parents always come before their children. Node ``i`` of a tree being verified
-sits in the KV cache at position ``prefix_len + i`` and at sequence position
-``prefix_len + depth(i)``.
+sits in the KV cache at slot ``mask_offset + i`` and at sequence position
+``mask_offset + depth(i)``; ``mask_offset`` (the prefix length, the op's argument of the
+same name) is the number of committed tokens before the tree.
 
 Everything that runs once per decoding step is tensor code on the tree's device: loops
 run over tree depth levels (at most a handful) or over a fixed ``ceil(log2 T)`` rounds,
@@ -21,8 +23,6 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _hf_compat as _compat
-
 __all__ = [
     "ancestor_mask",
     "node_depths",
@@ -37,7 +37,6 @@ __all__ = [
     "verify_greedy",
     "verify_sampling",
     "sampling_probs",
-    "compact_kv_cache",
 ]
 
 
@@ -110,8 +109,13 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return _ancestor_mask(parents)
 
 
+def _mask_depths(mask: torch.Tensor) -> torch.Tensor:
+    # Depth from an ancestor-or-self mask: a node's ancestors-or-self, less itself.
+    return mask.sum(-1) - 1
+
+
 def _node_depths(parents: torch.Tensor) -> torch.Tensor:
-    return _ancestor_mask(parents).sum(-1) - 1
+    return _mask_depths(_ancestor_mask(parents))
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
@@ -120,36 +124,52 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
     return _node_depths(parents)
 
 
-def _prefix_lens_tensor(prefix_lens, batch: int, device, name: str = "prefix_lens") -> torch.Tensor:
-    if isinstance(prefix_lens, torch.Tensor):
-        if prefix_lens.dtype not in (torch.int32, torch.int64) or prefix_lens.dim() > 1:
+def _mask_offset_tensor(
+    mask_offset, batch: Optional[int], device, name: str = "mask_offset", check_values: bool = True
+) -> torch.Tensor:
+    """The one validator of prefix lengths (``mask_offset``: the cache slot of each batch
+    row's tree node 0, as the op takes it), for this module and :mod:`torch_tree_attn.hf`.
+
+    Accepts a Python int, a list/tuple of ints, or an int32/int64 tensor ``[]`` / ``[n]``;
+    with ``batch`` given, n must be 1 or ``batch`` (None: any n). Returns int64 ``[n]`` on
+    ``device``. Negative values raise where ``check_values`` is set (a host read, skipped
+    while torch.compile traces).
+    """
+    if isinstance(mask_offset, (list, tuple)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in mask_offset
+    ):
+        mask_offset = torch.tensor(list(mask_offset), dtype=torch.int64, device=device)
+    if isinstance(mask_offset, torch.Tensor):
+        if mask_offset.dtype not in (torch.int32, torch.int64) or mask_offset.dim() > 1:
             raise TypeError(
-                f"{name} must be an int or an int32/int64 tensor [B], got {prefix_lens.dtype} "
-                f"of shape {tuple(prefix_lens.shape)}"
+                f"{name} must be an int or an int32/int64 tensor [B], got {mask_offset.dtype} "
+                f"of shape {tuple(mask_offset.shape)}"
             )
-        lens = prefix_lens.to(device=device, dtype=torch.int64).reshape(-1)
-        if batch > 1 and lens.numel() not in (1, batch):
-            raise ValueError(f"{name} has {lens.numel()} entries, expected 1 or {batch} (one per tree)")
-    elif isinstance(prefix_lens, int) and not isinstance(prefix_lens, bool):
-        lens = torch.tensor([prefix_lens], dtype=torch.int64, device=device)
+        lens = mask_offset.to(device=device, dtype=torch.int64).reshape(-1)
+        if batch is not None and lens.numel() not in (1, batch):
+            expected = "1" if batch == 1 else f"1 or {batch}"
+            raise ValueError(f"{name} has {lens.numel()} entries, expected {expected} (one per batch row)")
+    elif isinstance(mask_offset, int) and not isinstance(mask_offset, bool):
+        lens = torch.tensor([mask_offset], dtype=torch.int64, device=device)
     else:
-        raise TypeError(f"{name} must be an int or an int tensor, got {type(prefix_lens).__name__}")
-    if not _is_compiling() and bool((lens < 0).any()):
+        raise TypeError(f"{name} must be an int or an int tensor, got {type(mask_offset).__name__}")
+    if check_values and not _is_compiling() and bool((lens < 0).any()):
         raise ValueError(f"{name} must be >= 0, got {lens.tolist()}")
     return lens
 
 
-def position_ids(parents: torch.Tensor, prefix_lens: Union[int, torch.Tensor]) -> torch.Tensor:
-    """Sequence positions of the tree nodes, int64 ``[B, T]``: ``prefix_len + depth``.
+def position_ids(parents: torch.Tensor, mask_offset: Union[int, torch.Tensor]) -> torch.Tensor:
+    """Sequence positions of the tree nodes, int64 ``[B, T]``: ``mask_offset + depth``.
 
-    ``prefix_lens`` is an int or an int tensor ``[B]`` (or ``[1]``); a single tree
-    ``[T]`` broadcasts against B prefix lengths.
+    ``mask_offset`` (the prefix lengths) is an int or an int tensor ``[B]`` (or ``[1]``);
+    a single tree ``[T]`` broadcasts against B prefix lengths.
     """
     _check_parents(parents)
     depths = _node_depths(parents)
-    if depths.dim() == 1:
+    single = depths.dim() == 1
+    if single:
         depths = depths[None]
-    lens = _prefix_lens_tensor(prefix_lens, depths.shape[0], depths.device)
+    lens = _mask_offset_tensor(mask_offset, None if single else depths.shape[0], depths.device)
     return depths + lens[:, None]
 
 
@@ -178,7 +198,7 @@ def _retrieve_indices(parents: torch.Tensor, valid: Optional[torch.Tensor] = Non
     leaves = _leaf_mask(parents)
     if valid is not None:
         leaves = leaves & valid
-    depths = reach.sum(-1) - 1
+    depths = _mask_depths(reach)
     # The two shape-defining numbers, read in one host transfer.
     counts = torch.stack([leaves.sum(-1).max(), torch.where(leaves, depths, 0).max()]).tolist()
     num_leaves, max_depth = int(counts[0]), int(counts[1])
@@ -240,22 +260,22 @@ def pad_trees(trees: Sequence[Union[torch.Tensor, Sequence[int]]]) -> Tuple[torc
 
 
 def dense_tree_mask(
-    parents: torch.Tensor, prefix_lens: Union[int, torch.Tensor], kv_len: Optional[int] = None
+    parents: torch.Tensor, mask_offset: Union[int, torch.Tensor], kv_len: Optional[int] = None
 ) -> torch.Tensor:
     """The dense attention mask of a tree verify step, bool ``[B, 1, T, kv_len]``, True =
-    attend: every query sees the prefix ``[0, prefix_len)`` and its ancestors-or-self at
-    ``prefix_len + j``; nothing past the tree. For eager/sdpa attention and for tests.
+    attend: every query sees the prefix ``[0, mask_offset)`` and its ancestors-or-self at
+    ``mask_offset + j``; nothing past the tree. For eager/sdpa attention and for tests.
 
-    ``kv_len`` defaults to ``max(prefix_lens) + T``; a StaticCache needs its capacity.
+    ``kv_len`` defaults to ``max(mask_offset) + T``; a StaticCache needs its capacity.
     """
     _check_parents(parents)
     reach = _ancestor_mask(parents)
     if reach.dim() == 2:
         reach = reach[None]
     B, T, _ = reach.shape
-    lens = _prefix_lens_tensor(prefix_lens, B, reach.device)
+    lens = _mask_offset_tensor(mask_offset, None if parents.dim() == 1 else B, reach.device)
     if kv_len is None:
-        kv_len = (prefix_lens if isinstance(prefix_lens, int) else int(lens.max())) + T
+        kv_len = (mask_offset if isinstance(mask_offset, int) else int(lens.max())) + T
     column = torch.arange(kv_len, device=reach.device)
     offset = column - lens[:, None]  # [B or 1, S]: key position relative to the tree
     in_tree = (offset >= 0) & (offset < T)
@@ -309,7 +329,7 @@ class DraftTree:
     @cached_property
     def depths(self) -> torch.Tensor:
         """int64 ``[T]``, root 0."""
-        return self.mask.sum(-1) - 1
+        return _mask_depths(self.mask)
 
     @cached_property
     def retrieve(self) -> torch.Tensor:
@@ -349,9 +369,9 @@ class DraftTree:
         ).any(-1)
         return is_kid & ~repeated
 
-    def position_ids(self, prefix_len: Union[int, torch.Tensor]) -> torch.Tensor:
-        """int64 ``[1, T]`` (``[B, T]`` for B prefix lengths): ``prefix_len + depth``."""
-        lens = _prefix_lens_tensor(prefix_len, 1, self.parents.device, name="prefix_len")
+    def position_ids(self, mask_offset: Union[int, torch.Tensor]) -> torch.Tensor:
+        """int64 ``[1, T]`` (``[B, T]`` for B prefix lengths): ``mask_offset + depth``."""
+        lens = _mask_offset_tensor(mask_offset, None, self.parents.device)
         return self.depths[None] + lens[:, None]
 
 
@@ -680,109 +700,3 @@ def verify_sampling(
             return torch.tensor(accepted, dtype=torch.int64, device=device), int(next_token)
         node = chosen
         accepted.append(node)
-
-
-# ----------------------------------------------------------------------------------------
-# KV cache compaction (transformers 5.x caches)
-# ----------------------------------------------------------------------------------------
-
-_COMPACTABLE_LAYERS = ("DynamicLayer", "StaticLayer", "DynamicSlidingWindowLayer", "StaticSlidingWindowLayer")
-
-
-def _layer_kind(layer) -> str:
-    # Exact class names: subclasses such as quantized or indexed layers keep more state
-    # than keys/values, which moving keys/values alone would corrupt. Names, not
-    # isinstance, so that this module does not import transformers.
-    kind = type(layer).__name__
-    if kind not in _COMPACTABLE_LAYERS:
-        raise TypeError(
-            f"compact_kv_cache supports {', '.join(_COMPACTABLE_LAYERS)} cache layers "
-            f"(sliding-window ones only before they slide), got a {kind} layer"
-        )
-    return kind
-
-
-def _compact_layer(layer, prefix_len: int, source: torch.Tensor, new_len: int) -> None:
-    keys, values = layer.keys, layer.values
-    n = source.shape[-1]
-    dst = slice(prefix_len, prefix_len + n)
-    for cache_tensor in (keys, values):
-        if source.dim() == 1:
-            moved = cache_tensor.index_select(2, source)
-        else:  # one path per batch row
-            B, H, _, D = cache_tensor.shape
-            moved = cache_tensor.gather(2, source[:, None, :, None].expand(B, H, n, D))
-        # `moved` is a copy, so overlapping source and destination slots are safe.
-        cache_tensor[:, :, dst].copy_(moved)
-    # Where the layer records its length depends on the transformers release; a static
-    # layer's is reset in place (fixed addresses under torch.compile).
-    _compat.set_layer_length(layer, new_len)
-
-
-def compact_kv_cache(cache, prefix_len: int, accepted: Union[torch.Tensor, Sequence[int]]) -> int:
-    """Keep only the accepted path of a verified tree in a transformers cache.
-
-    After a tree verify forward, tree node i's K/V sits at position ``prefix_len + i``.
-    This moves the K/V of node ``accepted[k]`` to position ``prefix_len + k`` in every
-    layer, in place on the cache's device, and sets the cache length to
-    ``prefix_len + len(accepted)``: a DynamicCache is cut there; a StaticCache keeps its
-    buffers and resets its length, so the next forward writes right after the path.
-
-    Args:
-        cache: a transformers 5.x ``DynamicCache`` or ``StaticCache`` (anything whose
-            ``layers`` are DynamicLayer / StaticLayer). Sliding-window layers work only
-            while nothing has slid out of their window.
-        prefix_len: number of committed tokens before the tree.
-        accepted: int64 ``[n]`` tree node indices (as from ``verify_greedy``), applied to
-            every batch row, or ``[B, n]`` with one path per row.
-
-    Returns:
-        The new cache length, ``prefix_len + n``.
-    """
-    if not hasattr(cache, "layers"):
-        raise TypeError(f"cache must be a transformers Cache with .layers, got {type(cache).__name__}")
-    if not isinstance(prefix_len, int) or isinstance(prefix_len, bool) or prefix_len < 0:
-        raise ValueError(f"prefix_len must be an int >= 0, got {prefix_len!r}")
-    if not isinstance(accepted, torch.Tensor):
-        accepted = torch.tensor(list(accepted), dtype=torch.int64)
-    if accepted.dtype not in (torch.int32, torch.int64) or accepted.dim() not in (1, 2) or accepted.shape[-1] == 0:
-        raise ValueError(
-            f"accepted must be a non-empty int tensor [n] or [B, n], got {accepted.dtype} {tuple(accepted.shape)}"
-        )
-    n = accepted.shape[-1]
-    new_len = prefix_len + n
-
-    layers = [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
-    if not layers:
-        raise ValueError("compact_kv_cache got a cache with no initialized layer (run the tree forward first)")
-    kinds = [_layer_kind(layer) for layer in layers]
-    for layer, kind in zip(layers, kinds):
-        if kind == "DynamicSlidingWindowLayer" and layer.keys.shape[-2] != _compat.layer_length(layer):
-            raise NotImplementedError(
-                f"a DynamicSlidingWindowLayer holding {layer.keys.shape[-2]} of {_compat.layer_length(layer)} "
-                "positions has already dropped keys; compaction needs them all"
-            )
-        if kind == "StaticSlidingWindowLayer" and _compat.layer_length(layer) > layer.max_cache_len:
-            raise NotImplementedError(
-                f"a StaticSlidingWindowLayer of window {layer.max_cache_len} has slid past "
-                f"({_compat.layer_length(layer)} positions written); compaction needs them all"
-            )
-        if accepted.dim() == 2 and accepted.shape[0] != layer.keys.shape[0]:
-            raise ValueError(f"accepted has {accepted.shape[0]} rows but the cache batch is {layer.keys.shape[0]}")
-    if not _is_compiling():
-        # All layers of one cache hold the same positions; one host read checks them.
-        length = _compat.layer_length(layers[0])
-        low, high = torch.stack([accepted.min(), accepted.max()]).tolist()
-        if low < 0 or prefix_len + high >= length:
-            raise ValueError(
-                f"accepted nodes must lie in the tree slots [0, {length - prefix_len}) after prefix_len="
-                f"{prefix_len} (cache length {length}), got min {low}, max {high}"
-            )
-
-    sources = {}
-    for layer in layers:
-        device = layer.keys.device
-        if device not in sources:
-            sources[device] = accepted.to(device=device, dtype=torch.int64) + prefix_len
-        _compact_layer(layer, prefix_len, sources[device], new_len)
-    return new_len
