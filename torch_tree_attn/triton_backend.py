@@ -80,10 +80,10 @@ def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, HAS_SINK: tl.constexpr
 def _tree_attn_main(
     Q, K, V, MASK, OFF, SINK, OUT, LSE, PO, PM, PL,
     sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, sm0, sm1, sm2, sm3,
-    Hkv, G, T, S, M, R, total_rows,
+    Hkv, G, T, S, M, R, total_rows, num_splits,
     scale, softcap,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
     MASK_FLOAT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Main pass. A program owns BLOCK_M rows of one (batch row b, kv head) -- rows r of a
@@ -122,10 +122,10 @@ def _tree_attn_main(
         off = tl.load(OFF + b).to(tl.int64)
         off = tl.minimum(tl.maximum(off, 0), S)
     else:
-        off = tl.zeros((), dtype=tl.int64)
+        off = b * 0                      # int64 scalar 0
     kend = tl.minimum(off + M, S)
     n_tiles = tl.cdiv(kend, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(n_tiles, num_splits)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_tiles)
     n_prefix = off // BLOCK_N            # tiles entirely inside the prefix [0, off)
@@ -207,7 +207,7 @@ def _tree_attn_main(
     poison = poison | tl.max(((acc - acc) != 0.0).to(tl.int32), axis=1)
     flat = bh.to(tl.int64) * R + rows    # row of the [B, Hq, T] output, = (b*Hkv + kvh)*R + r
     io_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, HAS_SINK)
         tl.store(OUT + flat[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
         tl.store(LSE + flat, lse, mask=row_ok)
@@ -220,12 +220,11 @@ def _tree_attn_main(
 
 @triton.jit
 def _tree_attn_reduce(
-    PO, PM, PL, SINK, OUT, LSE, total_rows, T, Hq,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr,
+    PO, PM, PL, SINK, OUT, LSE, total_rows, T, Hq, num_splits,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Reduce pass (only when the keys are split): a program owns BLOCK_R output rows and
-    merges their NUM_SPLITS partials (unnormalised O, base-2 max m, sum l; m = NaN marks a
+    merges their num_splits partials (unnormalised O, base-2 max m, sum l; m = NaN marks a
     poisoned split) in split order: deterministic, no atomics. Reads each partial once."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < total_rows
@@ -233,14 +232,14 @@ def _tree_attn_reduce(
     io_mask = row_ok[:, None] & (d < D)[None, :]
     m_max = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     poison = tl.zeros((BLOCK_R,), dtype=tl.int32)
-    for sp in range(NUM_SPLITS):
+    for sp in range(num_splits):
         m_s = tl.load(PM + sp * total_rows + rows, mask=row_ok, other=float("-inf"))
         poison = poison | (m_s != m_s).to(tl.int32)
         m_max = tl.maximum(m_max, tl.where(m_s != m_s, float("-inf"), m_s))
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-    for sp in range(NUM_SPLITS):
+    for sp in range(num_splits):
         part = sp * total_rows + rows
         m_s = tl.load(PM + part, mask=row_ok, other=float("-inf"))
         l_s = tl.load(PL + part, mask=row_ok, other=0.0)
@@ -297,18 +296,18 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
         q, k_arg, v_arg, mask_arg, off if off is not None else dummy, sk if sk is not None else dummy,
         out, lse, po, pm, pl,
         sq[0], sq[1], sq[2], skk[0], skk[1], skk[2], sv[0], sv[1], sv[2], sm[0], sm[1], sm[2], sm[3],
-        Hkv, G, T, S, M, R, total_rows,
+        Hkv, G, T, S, M, R, total_rows, plan.num_splits,
         scale_f, cap if cap is not None else 1.0,
         D=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        NUM_SPLITS=plan.num_splits, HAS_OFF=off is not None, HAS_SINK=sk is not None,
+        SPLIT=plan.num_splits > 1, HAS_OFF=off is not None, HAS_SINK=sk is not None,
         MASK_FLOAT=bool(mask_float), HAS_SOFTCAP=cap is not None, HALF_DOT=half_dot,
         UPCAST=INTERPRETING, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
         block_r = heur.REDUCE_BLOCK_ROWS
         _tree_attn_reduce[(triton.cdiv(total_rows, block_r),)](
-            po, pm, pl, sk if sk is not None else dummy, out, lse, total_rows, T, Hq,
-            D=D, BLOCK_R=block_r, BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits, HAS_SINK=sk is not None,
+            po, pm, pl, sk if sk is not None else dummy, out, lse, total_rows, T, Hq, plan.num_splits,
+            D=D, BLOCK_R=block_r, BLOCK_D=plan.block_d, HAS_SINK=sk is not None,
             num_warps=4,
         )
     return out, lse
