@@ -39,11 +39,15 @@ def _tanh(x):
 
 @triton.jit
 def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation: tensor cores for float16/bfloat16 operands, IEEE
-    float32 (no TF32) otherwise. UPCAST (interpreter only, whose numpy has no bfloat16
-    matmul) computes a half dot exactly in float32 from the same half operands."""
-    if HALF_DOT and not UPCAST:
-        return tl.dot(a, b)
+    """a @ b with float32 accumulation. HALF_DOT: a is rounded to b's float16/bfloat16 (the
+    probabilities P before P.V; a no-op for the query) and the product runs on tensor
+    cores; otherwise IEEE float32 (no TF32; half K/V under a float32 query are upcast).
+    UPCAST (interpreter only, whose numpy has no bfloat16 matmul) computes the half
+    product exactly in float32 from the same rounded operands."""
+    if HALF_DOT:
+        a = a.to(b.dtype)
+        if not UPCAST:
+            return tl.dot(a, b)
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
@@ -157,7 +161,7 @@ def _tree_attn_main(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = _dot(p.to(v.dtype) if HALF_DOT else p, v, HALF_DOT, UPCAST)
+        pv = _dot(p, v, HALF_DOT, UPCAST)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -199,7 +203,7 @@ def _tree_attn_main(
             p = tl.exp2(s - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            pv = _dot(p.to(v.dtype) if HALF_DOT else p, v, HALF_DOT, UPCAST)
+            pv = _dot(p, v, HALF_DOT, UPCAST)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
