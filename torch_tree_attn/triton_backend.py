@@ -80,7 +80,9 @@ def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, HAS_SINK: tl.constexpr
     return out, lse
 
 
-@triton.jit
+# Sizes vary from call to call: not specialised (fewer compilations); strides stay
+# specialised (alignment of the K/V rows matters for vector loads).
+@triton.jit(do_not_specialize=["Hkv", "G", "T", "S", "M", "R", "total_rows", "num_splits"])
 def _tree_attn_main(
     Q, K, V, MASK, OFF, SINK, OUT, LSE, PO, PM, PL,
     sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, sm0, sm1, sm2, sm3,
@@ -222,7 +224,7 @@ def _tree_attn_main(
         tl.store(PL + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_rows", "T", "Hq", "num_splits"])
 def _tree_attn_reduce(
     PO, PM, PL, SINK, OUT, LSE, total_rows, T, Hq, num_splits,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
