@@ -132,7 +132,10 @@ setup(
     # The range CI and the GPU machine test: torch 2.13 (CPU, CI) and 2.11 (CUDA, H200).
     install_requires=["torch>=2.11,<2.14", "numpy"],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        # triton runs the CUDA kernels' tests on CPU too, under TRITON_INTERPRET=1 (tests/test_triton.py).
+        "test": ["pytest", "hypothesis", "triton>=3.6"],
+        # The CUDA backend's kernels (torch_tree_attn/triton_backend.py); 3.6 is the H200's.
+        "cuda": ["triton>=3.6"],
         # Tested: 5.0 (CI's floor pass) through 5.25; CI's main pass takes the newest pip installs.
         "hf": ["transformers>=5.0,<5.26", "safetensors", "tqdm"],
     },

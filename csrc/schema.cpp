@@ -44,9 +44,49 @@ void check_contract(const ArgMeta& query, const ArgMeta& key, const ArgMeta& val
   }
 }
 
+// The internal entry of the Python (Triton) CUDA backend: the shared prepare() with
+// OffsetCheck::ClampInKernel (offsets never read on the host, so no device sync and the
+// call is capturable in a CUDA graph), returning what a launcher needs. No validation
+// happens anywhere else.
+//   (query, key, value, mask, offsets|None, sinks|None, ints, scale, softcap|None)
+//   query/key/value: stride(-1) == 1; mask: bool or float32, original (broadcast) strides;
+//   offsets: int32 [B] contiguous (int64 saturated to int32); sinks: float32 [Hq];
+//   ints: [B, Hq, Hkv, G, T, S, D, M, mask_is_float,
+//          q_stride x4, k_stride x4, v_stride x4, mask_stride x4]  (element strides,
+//          (batch, head, row, dim/column), broadcast dims 0)
+using PrepareResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>,
+                                 std::optional<at::Tensor>, std::vector<int64_t>, double, std::optional<double>>;
+
+PrepareResult prepare_for_launcher(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                   const at::Tensor& mask, const std::optional<at::Tensor>& mask_offset,
+                                   std::optional<double> scale, std::optional<double> softcap,
+                                   const std::optional<at::Tensor>& sinks) {
+  try {
+    const tree_attn::Prepared in = tree_attn::prepare(query, key, value, mask, mask_offset, scale, softcap, sinks,
+                                                      tree_attn::OffsetCheck::ClampInKernel);
+    const auto& p = in.p;
+    std::vector<int64_t> ints = {p.B, p.Hq, p.Hkv, p.G, p.T, p.S, p.D, p.M,
+                                 p.mask_kind == tree_attn::MaskKind::Additive ? 1 : 0};
+    for (const int64_t* st : {p.q_stride, p.k_stride, p.v_stride, p.mask_stride})
+      ints.insert(ints.end(), st, st + 4);
+    std::optional<at::Tensor> offsets, sink_t;
+    if (p.has_offsets) offsets = in.offsets;
+    if (p.has_sinks) sink_t = in.sinks;
+    std::optional<double> cap;
+    if (p.softcap > 0.0f) cap = double(p.softcap);
+    return {in.query, in.key, in.value, in.mask, offsets, sink_t, ints, double(p.scale), cap};
+  } catch (const c10::ValueError& e) {
+    throw pybind11::value_error(e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    throw pybind11::type_error(e.what_without_backtrace());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_tree_attn's C++ extension: importing it registers the tree_attn operators";
   m.def("check_contract", &check_contract, "Checks a call's metadata against the op contract (for the fakes).");
+  m.def("_prepare", &prepare_for_launcher,
+        "The shared prepare() with in-kernel offset clamping, for the Python CUDA (Triton) launcher.");
 }

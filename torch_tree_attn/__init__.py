@@ -12,5 +12,22 @@ from . import _C  # noqa: F401  (registers the operators)
 from . import _fake  # noqa: F401  (registers the fake implementations and autograd)
 from .ops import tree_attention
 
+
+def _register_cuda_backend() -> None:
+    """The CUDA kernels are Triton (torch_tree_attn/triton_backend.py): registered only
+    where CUDA is available and triton importable; CPU installs never need triton."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return
+    from . import triton_backend
+
+    triton_backend.register()
+
+
+_register_cuda_backend()
+
 __all__ = ["tree_attention"]
 __version__ = "0.1.0"

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One command on a CUDA machine (the H200: torch 2.11+cu130, triton 3.6, python3.12, no
+# network), from a fresh copy of the repository:
+#
+#     bash benchmarks/h200.sh                 # every stage, in this order
+#     bash benchmarks/h200.sh bench suite     # only some stages
+#
+# Stages, most valuable first, each under a timeout so the whole run fits in
+# $H200_BUDGET_S seconds (default 570: a 10-minute command limit); what a stage prints goes
+# to $OUT/<stage>.log (OUT defaults to ./h200-results) and a summary to stdout:
+#   install   pip install --no-build-isolation --no-deps -e . (CXX=/opt/gcc/bin/g++ if present)
+#   core      tests/test_cuda.py except the parity matrix: splits, unused slots, clamped
+#             offsets, no host sync, CUDA graphs, torch.compile, opcheck
+#   parity    tests/test_cuda.py's parity matrix (880 cases), non-finite cases and
+#             forward-vs-forward_with_lse, in $PARITY_SHARDS (8) parallel pytest processes
+#             (TREE_ATTN_TEST_SHARD=i/n), so Triton's compilations use the CPU cores
+#   bench     benchmarks/bench_op.py --device cuda -> $OUT/bench.{txt,json,png} (alone on the GPU)
+#   triton    tests/test_triton.py (the interpreter run of the same kernels)
+#   suite     builds tests/sim, then the rest of tests/
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/h200-results}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+BUDGET=${H200_BUDGET_S:-570}
+STAGES=${*:-install core parity bench triton suite}
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export MAX_JOBS=${MAX_JOBS:-16}
+if [ -z "${CXX:-}" ] && [ -x /opt/gcc/bin/g++ ]; then
+  export CXX=/opt/gcc/bin/g++
+  [ -x /opt/gcc/bin/gcc ] && export CC=/opt/gcc/bin/gcc
+fi
+
+left() { echo $((BUDGET - SECONDS)); }
+# stage NAME CAP_SECONDS COMMAND...: runs COMMAND under min(CAP, time left), logs to $OUT/NAME.log
+stage() {
+  local name=$1 cap=$2
+  shift 2
+  local t=$(left)
+  [ "$cap" -lt "$t" ] && t=$cap
+  if [ "$t" -le 5 ]; then
+    echo "== $name: skipped, no time left" | tee -a "$OUT/summary.txt"
+    return
+  fi
+  local start=$SECONDS
+  timeout --kill-after=10 "$t" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local note=""
+  [ $rc -eq 124 ] && note=" (timed out after ${t}s)"
+  echo "== $name: rc=$rc in $((SECONDS - start))s$note" | tee -a "$OUT/summary.txt"
+  tail -n 15 "$OUT/$name.log"
+}
+
+: >"$OUT/summary.txt"
+{
+  echo "host $(hostname), $(date -u +%FT%TZ), CXX=${CXX:-default}"
+  $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
+  $PY -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+} | tee -a "$OUT/summary.txt"
+
+PYTEST="$PY -m pytest -q -rfE -p no:cacheprovider"
+for s in $STAGES; do
+  case $s in
+    install) stage install 240 $PY -m pip install --no-build-isolation --no-deps -v -e . ;;
+    core) stage core 150 $PYTEST tests/test_cuda.py -k "not test_parity_matrix and not test_forward_without_lse and not test_nonfinite" ;;
+    parity)
+      t=$(left); [ 200 -lt "$t" ] && t=200
+      start=$SECONDS; pids=(); n=${PARITY_SHARDS:-8}
+      for i in $(seq 0 $((n - 1))); do
+        TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" $PYTEST tests/test_cuda.py \
+          -k "test_parity_matrix or test_forward_without_lse or test_nonfinite" >"$OUT/parity-$i.log" 2>&1 &
+        pids+=($!)
+      done
+      rcs=""; for p in "${pids[@]}"; do wait "$p"; rcs="$rcs $?"; done
+      echo "== parity: shard rcs$rcs in $((SECONDS - start))s (124 = timed out after ${t}s)" | tee -a "$OUT/summary.txt"
+      for i in $(seq 0 $((n - 1))); do grep -E "passed|failed|error" "$OUT/parity-$i.log" | tail -n 1; done
+      grep -h "^FAILED" "$OUT"/parity-*.log | head -n 20 ;;
+    bench)
+      stage bench 200 $PY benchmarks/bench_op.py --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png"
+      cp "$OUT/bench.log" "$OUT/bench.txt" ;;
+    triton) stage triton 200 $PYTEST tests/test_triton.py ;;
+    suite)
+      stage sim-build 200 $PY -m pip install --no-build-isolation --no-deps ./tests/sim
+      stage suite 600 $PYTEST tests --ignore=tests/test_cuda.py --ignore=tests/test_triton.py ;;
+    *) echo "unknown stage $s (install core parity bench triton suite)"; exit 2 ;;
+  esac
+done
+echo "== done in ${SECONDS}s; logs in $OUT" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,282 @@
+"""The CUDA backend (Triton kernels, torch_tree_attn/triton_backend.py) on a real GPU.
+
+Skipped without CUDA (and triton). On the H200: benchmarks/h200.sh runs this file first.
+What it proves beyond tests/test_triton.py (the same kernels under Triton's interpreter):
+that the kernels compile and are right on a GPU for the whole parity matrix, that a call
+never syncs with the host, CUDA-graph capture and replay with new offsets, torch.compile
+without recompiles, and opcheck. References are float64 on the CPU from the same inputs.
+"""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import torch_tree_attn
+from tests.cases import (Case, args_of, check_against_reference, check_nonfinite_case, make_inputs,
+                         nonfinite_cases, parity_matrix, random_tree_mask)
+from torch_tree_attn.reference import tree_attention_reference
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="needs CUDA and triton (the CUDA backend's kernels are Triton)")
+
+ops = torch.ops.tree_attn
+
+
+def shard(cases: list) -> list:
+    """TREE_ATTN_TEST_SHARD=i/n keeps every n-th case from the i-th: benchmarks/h200.sh runs
+    the matrix in parallel processes, so Triton's compilations of the kernel variants
+    spread over the CPU cores."""
+    spec = os.environ.get("TREE_ATTN_TEST_SHARD")
+    if not spec:
+        return cases
+    i, n = (int(x) for x in spec.split("/"))
+    return cases[i::n]
+
+
+def to_cuda(inputs: dict) -> dict:
+    return {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+
+
+def run_cuda(cpu_inputs: dict):
+    out, lse = ops.forward_with_lse(*args_of(to_cuda(cpu_inputs)))
+    assert out.is_cuda and lse.is_cuda
+    return out.cpu(), lse.cpu()
+
+
+def test_registered():
+    from torch_tree_attn import triton_backend
+
+    assert triton_backend._registered
+    for op in ("tree_attn::forward", "tree_attn::forward_with_lse"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
+
+
+@pytest.mark.parametrize("case", shard(parity_matrix()), ids=str)
+def test_parity_matrix(case):
+    inputs = make_inputs(case)
+    out, lse = run_cuda(inputs)
+    check_against_reference(out, lse, inputs)
+
+
+@pytest.mark.parametrize("case", shard(parity_matrix()[::7]), ids=str)
+def test_forward_without_lse_matches(case):
+    inputs = make_inputs(case)
+    out = ops.forward(*args_of(to_cuda(inputs))).cpu()
+    check_against_reference(out, None, inputs)
+    assert torch.equal(out, run_cuda(inputs)[0]), "forward and forward_with_lse must give the same output"
+
+
+@pytest.mark.parametrize("case,kind", shard(nonfinite_cases()), ids=lambda x: x if isinstance(x, str) else str(x))
+def test_nonfinite(case, kind):
+    check_nonfinite_case(case, kind, run_cuda)
+
+
+# Long prefixes: keys split across programs and merged by the reduce pass; the visible range
+# ends inside a split and inside a tile; every slot past off_b + M holds NaN.
+LONG_CASES = [
+    Case(B=2, Hq=32, Hkv=8, T=64, S=4096 + 64, D=128, dtype=torch.bfloat16, mask_kind="bool", seed=201),
+    Case(B=2, Hq=8, Hkv=2, T=5, S=3000, D=64, dtype=torch.float32, mask_kind="float", seed=202,
+         kv_layout="bshd", mask_shape="none", softcap=30.0, sinks=torch.float32),
+    Case(B=1, Hq=8, Hkv=1, T=40, S=2500, D=256, dtype=torch.float16, mask_kind="float", window="dense",
+         offsets="none", seed=203),
+    Case(B=1, Hq=8, Hkv=2, T=16, S=3000, D=512, dtype=torch.bfloat16, seed=204, sinks=torch.bfloat16),
+    Case(B=3, Hq=4, Hkv=1, T=9, S=5000, D=96, dtype=torch.float32, kv_dtype=torch.float16, seed=205),
+]
+
+
+@pytest.mark.parametrize("case", LONG_CASES, ids=str)
+def test_long_prefix(case):
+    inputs = make_inputs(case)
+    out, lse = run_cuda(inputs)
+    check_against_reference(out, lse, inputs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+def test_forced_splits(num_splits):
+    from torch_tree_attn import triton_backend
+
+    inputs = make_inputs(LONG_CASES[0])
+    out, lse = triton_backend.forward_with_lse(*args_of(to_cuda(inputs)), num_splits=num_splits)
+    check_against_reference(out.cpu(), lse.cpu(), inputs)
+
+
+def test_nan_in_unused_cache_slots():
+    """A static cache far larger than what is used, NaN/inf in every slot past off_b + M and
+    in window keys no row sees: nothing of it reaches the output."""
+    case = Case(B=2, Hq=16, Hkv=4, T=24, S=6000, D=128, dtype=torch.bfloat16, mask_kind="float", seed=206)
+    inputs = make_inputs(case)
+    offs = inputs["mask_offset"].tolist()
+    seen = ~torch.isneginf(inputs["mask"].float())
+    for b in range(case.B):
+        inputs["value"][b, :, offs[b] + case.M:] = float("inf")
+        for col in range(case.M):
+            if not seen[b, :, col].any():
+                inputs["key"][b, :, offs[b] + col] = float("nan")
+    out, lse = run_cuda(inputs)
+    check_against_reference(out, lse, inputs)
+    assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("offset_dtype", [torch.int32, torch.int64])
+def test_out_of_range_offsets_are_clamped(offset_dtype):
+    case = Case(B=2, Hq=4, Hkv=1, T=5, S=40, D=64, offsets="same", seed=302)
+    inputs = make_inputs(case)
+    gen = torch.Generator().manual_seed(7)
+    inputs["key"] = torch.randn(inputs["key"].shape, generator=gen)
+    inputs["value"] = torch.randn(inputs["value"].shape, generator=gen)
+    inputs["mask_offset"] = torch.tensor([-5, 1000], dtype=offset_dtype)
+    out, lse = run_cuda(inputs)
+
+    def row(b, **overrides):
+        one = {n: t[b:b + 1] if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+        return tree_attention_reference(**dict(one, **overrides))
+
+    ref_out, ref_lse = row(0, mask_offset=torch.tensor([0]))
+    torch.testing.assert_close(out[:1].double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse[:1].double(), ref_lse, atol=1e-4, rtol=1e-5)
+    ref_out, ref_lse = row(1, mask_offset=torch.tensor([case.S]), mask=inputs["mask"][1:, :, :0])
+    torch.testing.assert_close(out[1:].double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse[1:].double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_no_host_sync():
+    """A call never synchronises with the device (offsets are clamped in the kernel)."""
+    case = Case(B=2, Hq=8, Hkv=2, T=7, S=3000, D=128, dtype=torch.bfloat16, sinks=torch.float32,
+                offset_dtype=torch.int64, seed=307)
+    m = to_cuda(make_inputs(case))
+    ops.forward_with_lse(*args_of(m))  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.forward_with_lse(*args_of(m))
+        ops.forward(*args_of(m))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_sliced_inputs_use_their_storage_offset():
+    case = Case(B=2, Hq=8, Hkv=2, T=6, S=50, D=96, dtype=torch.float32, mask_kind="float", seed=303)
+    inputs = make_inputs(case)
+    pad = 3
+    sliced = {}
+    for name in ("query", "key", "value"):
+        t = inputs[name]
+        big = torch.randn(t.shape[0], t.shape[1], t.shape[2] + pad, t.shape[3], dtype=t.dtype)
+        big[:, :, pad:] = t
+        sliced[name] = big.cuda()[:, :, pad:]
+    big_mask = torch.zeros(inputs["mask"].shape[0] + 1, *inputs["mask"].shape[1:], dtype=inputs["mask"].dtype)
+    big_mask[1:] = inputs["mask"]
+    sliced["mask"] = big_mask.cuda()[1:]
+    sliced["mask_offset"] = torch.cat([torch.tensor([99]), inputs["mask_offset"]]).int().cuda()[1:]
+    sliced.update(scale=None, softcap=None)
+    out, lse = ops.forward_with_lse(*args_of(sliced))
+    check_against_reference(out.cpu(), lse.cpu(), inputs)
+
+
+def test_deterministic():
+    m = to_cuda(make_inputs(Case(B=1, Hq=32, Hkv=8, T=64, S=8192 + 64, D=128, dtype=torch.float16, seed=304)))
+    first = ops.forward_with_lse(*args_of(m))
+    second = ops.forward_with_lse(*args_of(m))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def _verify_step_inputs(B, P_max, T, gen, dtype=torch.bfloat16, Hq=8, Hkv=2, D=128):
+    S = P_max + T
+    q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    mask = torch.stack([random_tree_mask(T, gen) for _ in range(B)])
+    return q, k, v, mask
+
+
+def test_cuda_graph_capture_and_replay_with_new_offsets():
+    gen = torch.Generator().manual_seed(11)
+    B, T, P_max = 2, 16, 3000
+    q, k, v, mask = _verify_step_inputs(B, P_max, T, gen)
+    sinks = torch.randn(8, generator=gen)
+    static = [t.cuda() for t in (q, k, v, mask, sinks)]
+    offsets = torch.tensor([100, 2000], dtype=torch.int64, device="cuda")
+    sq, sk, sv, smask, ssinks = static
+
+    def step():
+        return ops.forward_with_lse(sq, sk, sv, smask, offsets, None, None, ssinks)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = step()
+    for new in ([100, 2000], [0, P_max], [2999, 7], [-3, 10 ** 6]):
+        offsets.copy_(torch.tensor(new))
+        sq.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_lse = step()
+        assert torch.equal(g_out, eager_out) and torch.equal(g_lse, eager_lse), f"replay differs at offsets {new}"
+        if min(new) >= 0 and max(new) <= P_max:
+            inputs = dict(query=sq.cpu(), key=sk.cpu(), value=sv.cpu(), mask=smask.cpu(), mask_offset=offsets.cpu(),
+                          scale=None, softcap=None, sinks=ssinks.cpu())
+            check_against_reference(g_out.cpu(), g_lse.cpu(), inputs)
+
+
+def test_torch_compile_fullgraph_no_recompiles():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(12)
+    B, T, P_max = 2, 12, 1000
+    q, k, v, mask = (t.cuda() for t in _verify_step_inputs(B, P_max, T, gen))
+
+    @torch.compile(fullgraph=True)
+    def layer(q, k, v, mask, offsets):
+        out, lse = torch_tree_attn.tree_attention(torch.sin(q), k, v, mask, offsets, return_lse=True)
+        return out * 2, lse
+
+    offsets = torch.tensor([10, 500], device="cuda")
+    layer(q, k, v, mask, offsets)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for new in ([0, 900], [333, 1], [P_max, P_max]):
+            offsets = torch.tensor(new, device="cuda")
+            out, lse = layer(q, k, v, mask, offsets)
+            inputs = dict(query=torch.sin(q.float()).to(q.dtype).cpu(), key=k.cpu(), value=v.cpu(), mask=mask.cpu(),
+                          mask_offset=offsets.cpu(), scale=None, softcap=None, sinks=None)
+            check_against_reference((out / 2).cpu(), lse.cpu(), inputs)
+    torch._dynamo.reset()
+
+
+OPCHECK_CASES = [
+    Case(B=2, Hq=4, Hkv=1, T=5, S=30, D=64, seed=307),
+    Case(B=2, Hq=8, Hkv=2, T=5, S=400, D=128, dtype=torch.bfloat16, mask_kind="float", window="dense",
+         sinks=torch.float32, softcap=20.0),
+    Case(B=1, Hq=4, Hkv=4, T=3, S=20, D=96, dtype=torch.float32, kv_dtype=torch.float16, offset_dtype=torch.int32),
+]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
+def test_opcheck(case):
+    args = args_of(to_cuda(make_inputs(case)))
+    torch.library.opcheck(ops.forward.default, args)
+    torch.library.opcheck(ops.forward_with_lse.default, args)
+
+
+def test_validation_errors_name_the_argument():
+    q = torch.randn(1, 4, 5, 64, device="cuda")
+    kv = torch.randn(1, 2, 10, 64, device="cuda")
+    mask = torch.ones(1, 5, 5, dtype=torch.bool, device="cuda")
+    with pytest.raises(ValueError, match="mask_offset must be on the query's device"):
+        ops.forward(q, kv, kv, mask, torch.tensor([0]), None, None)
+    with pytest.raises(ValueError, match="head dim"):
+        ops.forward(q[..., :32], kv[..., :32], kv[..., :32], mask, None, None, None)
+    with pytest.raises(TypeError, match="dtypes"):
+        ops.forward(q, kv.half(), kv.half(), mask, None, None, None)
+
+
+def test_empty_problem():
+    q = torch.randn(1, 4, 0, 64, device="cuda")
+    kv = torch.randn(1, 2, 10, 64, device="cuda")
+    out, lse = ops.forward_with_lse(q, kv, kv, torch.ones(1, 0, 3, dtype=torch.bool, device="cuda"), None, None, None)
+    assert out.shape == (1, 4, 0, 64) and lse.shape == (1, 4, 0) and out.is_cuda

@@ -1,0 +1,131 @@
+"""The CUDA backend's Triton kernels (torch_tree_attn/triton_backend.py) without a GPU.
+
+Everything the kernels compute runs in one child process under Triton's interpreter
+(TRITON_INTERPRET=1 must be set before triton is imported; see
+tests/triton_interp_worker.py): a representative share of the parity matrix, every
+non-finite case, key splits (the reduce pass), NaN/inf in unused cache slots, clamped
+out-of-range offsets, validation through the shared C++ prepare(), and the CUDA
+registration. tests/test_cuda.py runs the whole matrix on a real GPU.
+
+The tile/split heuristics (pure Python) are checked here in-process.
+"""
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+
+GROUPS = ("parity", "nonfinite", "splits", "unused_slots", "clamped_offsets", "api")
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-m", "tests.triton_interp_worker", *GROUPS], cwd=str(ROOT), env=env,
+                          capture_output=True, text=True, timeout=900)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results.setdefault(r["group"], []).append(r)
+    assert results or proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return results, proc
+
+
+@needs_triton
+@pytest.mark.parametrize("group", GROUPS)
+def test_interpreter(group, interpreter_results):
+    results, proc = interpreter_results
+    got = results.get(group, [])
+    assert got, f"group {group} produced no checks (worker rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    failed = [r for r in got if r["error"]]
+    assert not failed, f"{len(failed)} of {len(got)} failed:\n" + "\n".join(
+        f"--- {r['name']}\n{r['error']}" for r in failed[:5])
+
+
+def test_heuristics():
+    from torch_tree_attn import triton_heuristics as heur
+
+    # Reference shape on an H200 (132 SMs): 256 rows per kv head, 8 kv heads.
+    plan = heur.choose(128, True, 256, 8, 16384 + 64, 132)
+    assert plan.row_blocks * plan.block_m >= 256 and plan.kv_reads == plan.row_blocks
+    assert 1 < plan.num_splits <= heur.MAX_SPLITS
+    assert plan.row_blocks * 8 * plan.num_splits >= 132, "the grid must fill the GPU"
+    # Short keys: no split (no reduce pass).
+    assert heur.choose(128, True, 256, 8, 100, 132).num_splits == 1
+    # Many programs already: no split.
+    assert heur.choose(64, True, 4096, 64, 100000, 132).num_splits == 1
+    # Tiny row counts are not padded to a big block (tl.dot needs 16).
+    assert heur.choose(64, True, 1, 1, 10, 132).block_m == 16
+    assert heur.choose(96, False, 10, 1, 10, 132).block_d == 128
+    for (D, kind), (bm, bn, warps, stages) in heur.CONFIGS.items():
+        assert D in (64, 96, 128, 256, 512) and kind in ("half", "f32") and bm >= 16 and bn >= 16
+    assert heur.choose(64, True, 50, 1, 10000, 132, num_splits=5).num_splits == 5
+
+
+# Ahead-of-time compilation for an H100/H200 (sm_90) with triton's bundled ptxas: the real
+# (non-interpreter) Triton frontend and backend accept the kernels, without a GPU.
+AOT_VARIANTS = [
+    # (query, key/value, head dim, split, float mask, sinks, softcap)
+    ("bf16", "bf16", 128, True, False, True, False),
+    ("fp16", "fp16", 64, False, True, False, True),
+    ("fp32", "fp32", 96, True, True, True, True),
+    ("fp32", "bf16", 512, False, False, False, False),
+    ("bf16", "bf16", 512, True, True, False, False),
+]
+
+
+def _aot_compile(fn, ptr_types, constexprs, num_warps, num_stages=1):
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {}
+    for name, param in inspect.signature(fn.fn).parameters.items():
+        if "constexpr" in str(param.annotation):
+            sig[name] = "constexpr"
+        elif name in ptr_types:
+            sig[name] = ptr_types[name]
+        elif name in ("scale", "softcap"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", AOT_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_kernels_compile_for_sm90(variant):
+    pytest.importorskip("triton.backends.nvidia")
+    from torch_tree_attn import triton_heuristics as heur
+    from torch_tree_attn import triton_backend as tb
+
+    qt, kvt, D, split, mask_float, sinks, softcap = variant
+    half = qt != "fp32"
+    bm, bn, warps, stages = heur.CONFIGS[(D, "half" if half else "f32")]
+    ptrs = dict(Q=f"*{qt}", K=f"*{kvt}", V=f"*{kvt}", MASK="*fp32" if mask_float else "*u8", OFF="*i32", SINK="*fp32",
+                OUT=f"*{qt}", LSE="*fp32", PO="*fp32", PM="*fp32", PL="*fp32")
+    const = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=heur._next_pow2(D), SPLIT=split, HAS_OFF=True, HAS_SINK=sinks,
+                 MASK_FLOAT=mask_float, HAS_SOFTCAP=softcap, HALF_DOT=half, UPCAST=False)
+    try:
+        kernel = _aot_compile(tb._tree_attn_main, ptrs, const, warps, stages)
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower() and "not found" in str(e).lower():
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    assert kernel.asm.get("cubin"), "no cubin produced"
+    if split:
+        reduce_ptrs = dict(PO="*fp32", PM="*fp32", PL="*fp32", SINK="*fp32", OUT=f"*{qt}", LSE="*fp32")
+        _aot_compile(tb._tree_attn_reduce, reduce_ptrs,
+                     dict(D=D, BLOCK_R=heur.REDUCE_BLOCK_ROWS, BLOCK_D=heur._next_pow2(D), HAS_SINK=sinks), 4)

@@ -1,0 +1,180 @@
+"""The CUDA backend's Triton kernels on CPU tensors, under Triton's interpreter.
+
+Run by tests/test_triton.py in a child process (TRITON_INTERPRET=1 must be set before
+triton is imported, and the parent pytest process may already have imported it). Prints
+one JSON line per check: {"group": ..., "name": ..., "error": null or the failure}.
+
+    TRITON_INTERPRET=1 python -m tests.triton_interp_worker [group ...]
+"""
+import json
+import os
+import sys
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (before triton is imported)"
+
+import torch  # noqa: E402
+
+import torch_tree_attn  # noqa: E402,F401
+from torch_tree_attn import triton_backend as tb  # noqa: E402
+from tests.cases import (Case, args_of, check_against_reference, check_nonfinite_case, make_inputs,  # noqa: E402
+                         nonfinite_cases, parity_matrix)
+from torch_tree_attn.reference import tree_attention_reference  # noqa: E402
+
+# A representative share of the parity matrix: every 12th case reaches every (dtype pair,
+# head dim) combination about three times and every mask kind, window and rotation.
+PARITY_SHARE = slice(3, None, 12)
+
+
+def run(inputs, **kw):
+    return tb.forward_with_lse(*args_of(inputs), **kw)
+
+
+def parity():
+    for case in parity_matrix()[PARITY_SHARE]:
+        def check(case=case):
+            inputs = make_inputs(case)
+            out, lse = run(inputs)
+            check_against_reference(out, lse, inputs)
+        yield str(case), check
+
+
+def nonfinite():
+    for case, kind in nonfinite_cases():
+        yield f"{kind}-{case}", lambda case=case, kind=kind: check_nonfinite_case(case, kind, run)
+
+
+# Long prefixes: the keys split across programs (forced counts too), the reduce pass merges
+# them; every slot at or beyond off_b + M holds NaN (make_inputs), masked window keys too.
+SPLIT_CASES = [
+    Case(B=2, Hq=8, Hkv=2, T=16, S=700, D=64, dtype=torch.bfloat16, mask_kind="bool", seed=201),
+    Case(B=2, Hq=8, Hkv=2, T=5, S=900, D=64, dtype=torch.float32, mask_kind="float", seed=202,
+         kv_layout="bshd", mask_shape="none", softcap=30.0, sinks=torch.float32),
+    Case(B=1, Hq=4, Hkv=1, T=20, S=500, D=128, dtype=torch.float16, mask_kind="float", window="dense",
+         offsets="none", seed=203),
+    Case(B=2, Hq=4, Hkv=2, T=7, S=600, D=96, dtype=torch.float32, kv_dtype=torch.bfloat16, seed=204,
+         sinks=torch.bfloat16),
+]
+
+
+def splits():
+    for case in SPLIT_CASES:
+        for num_splits in (None, 1, 3, 7):
+            def check(case=case, num_splits=num_splits):
+                inputs = make_inputs(case)
+                out, lse = run(inputs, num_splits=num_splits)
+                check_against_reference(out, lse, inputs)
+            yield f"splits{num_splits}-{case}", check
+
+
+def unused_slots():
+    """NaN and inf in every slot a row does not see (masked window keys, the whole cache past
+    off_b + M, including inside the last tile) must not reach any row."""
+    def check():
+        case = Case(B=2, Hq=8, Hkv=2, T=9, S=200, D=64, dtype=torch.float16, mask_kind="float", seed=211)
+        inputs = make_inputs(case)
+        mask = inputs["mask"]
+        k, v = inputs["key"], inputs["value"]
+        offs = inputs["mask_offset"].tolist()
+        # Window columns no row of a kv head sees: poison their K/V.
+        seen = ~torch.isneginf(mask.float())  # [B, T, M]
+        for b in range(case.B):
+            for col in range(case.M):
+                if not seen[b, :, col].any():
+                    k[b, :, offs[b] + col] = float("nan")
+                    v[b, :, offs[b] + col] = float("inf")
+        out, lse = run(inputs)
+        check_against_reference(out, lse, inputs)
+        assert not torch.isnan(out).any(), "a slot no row sees leaked into the output"
+    yield "masked-window-and-past-end", check
+
+
+def clamped_offsets():
+    """Offsets are never read on the host; the kernel clamps each to [0, S] and reads no key
+    outside [0, S): a negative offset acts as 0; one past S makes the whole cache the prefix."""
+    for offset_dtype in (torch.int32, torch.int64):
+        def check(offset_dtype=offset_dtype):
+            case = Case(B=2, Hq=4, Hkv=1, T=5, S=40, D=64, offsets="same", seed=302)
+            inputs = make_inputs(case)
+            gen = torch.Generator().manual_seed(7)
+            inputs["key"] = torch.randn(inputs["key"].shape, generator=gen)
+            inputs["value"] = torch.randn(inputs["value"].shape, generator=gen)
+            inputs["mask_offset"] = torch.tensor([-5, 1000], dtype=offset_dtype)
+            out, lse = run(inputs)
+
+            def row(b, **overrides):
+                one = {n: t[b:b + 1] if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+                return tree_attention_reference(**dict(one, **overrides))
+
+            ref_out, ref_lse = row(0, mask_offset=torch.tensor([0]))
+            torch.testing.assert_close(out[:1].double(), ref_out, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lse[:1].double(), ref_lse, atol=1e-4, rtol=1e-5)
+            ref_out, ref_lse = row(1, mask_offset=torch.tensor([case.S]), mask=inputs["mask"][1:, :, :0])
+            torch.testing.assert_close(out[1:].double(), ref_out, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lse[1:].double(), ref_lse, atol=1e-4, rtol=1e-5)
+        yield str(offset_dtype), check
+
+
+def api():
+    def forward_matches():
+        inputs = make_inputs(Case(B=2, Hq=8, Hkv=2, T=6, S=50, D=96, mask_kind="float", seed=303))
+        out, lse = run(inputs)
+        assert torch.equal(tb.forward(*args_of(inputs)), out)
+        check_against_reference(out, lse, inputs)
+    yield "forward-equals-forward_with_lse", forward_matches
+
+    def empty():
+        q = torch.randn(1, 4, 0, 64)
+        kv = torch.randn(1, 2, 10, 64)
+        out, lse = tb.forward_with_lse(q, kv, kv, torch.ones(1, 0, 3, dtype=torch.bool))
+        assert out.shape == (1, 4, 0, 64) and lse.shape == (1, 4, 0)
+        # S = 0, M = 0: every row sees nothing.
+        q = torch.randn(1, 2, 3, 64)
+        kv = torch.randn(1, 1, 0, 64)
+        out, lse = tb.forward_with_lse(q, kv, kv, torch.ones(1, 3, 0, dtype=torch.bool))
+        assert (out == 0).all() and torch.isneginf(lse).all()
+    yield "empty-problems", empty
+
+    def validation():
+        q = torch.randn(1, 4, 5, 64)
+        kv = torch.randn(1, 2, 10, 64)
+        mask = torch.ones(1, 5, 5, dtype=torch.bool)
+        for call, exc, words in [
+            (lambda: tb.forward(q[..., :32], kv[..., :32], kv[..., :32], mask), ValueError, "head dim"),
+            (lambda: tb.forward(q.half(), kv, kv, mask), TypeError, "dtypes"),
+            (lambda: tb.forward(q, kv, kv, mask, torch.tensor([0, 1])), ValueError, "mask_offset"),
+            (lambda: tb.forward(q, kv, kv, mask, None, None, None, torch.zeros(3)), ValueError, "sinks"),
+        ]:
+            try:
+                call()
+            except exc as e:
+                assert words in str(e), str(e)
+            else:
+                raise AssertionError(f"no {exc.__name__} mentioning {words!r}")
+    yield "validation-is-the-shared-prepare", validation
+
+    def registration():
+        # Registering needs no GPU: the CUDA dispatch key exists in every torch build.
+        tb.register()
+        for op in ("tree_attn::forward", "tree_attn::forward_with_lse"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
+    yield "register-cuda-kernels", registration
+
+
+GROUPS = dict(parity=parity, nonfinite=nonfinite, splits=splits, unused_slots=unused_slots,
+              clamped_offsets=clamped_offsets, api=api)
+
+
+def main(argv):
+    for group in argv or list(GROUPS):
+        for name, check in GROUPS[group]():
+            try:
+                check()
+                error = None
+            except Exception:  # noqa: BLE001  (reported to the parent test)
+                error = traceback.format_exc(limit=4)[-3000:]
+            print(json.dumps(dict(group=group, name=name, error=error)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

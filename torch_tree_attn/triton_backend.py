@@ -1,0 +1,340 @@
+"""The CUDA backend: Triton kernels for tree_attn::forward and tree_attn::forward_with_lse.
+
+Validation is the product's one C++ prepare() (``_C._prepare``, with in-kernel offset
+clamping: offsets are never read on the host, so a call never syncs and is capturable in
+a CUDA graph). This module only launches.
+
+- ``forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)``: the
+  op's semantics, directly callable; under ``TRITON_INTERPRET=1`` (set before triton is
+  imported) it runs on CPU tensors.
+- ``register()``: registers the two ops' CUDA kernels (``torch.library.register_kernel``);
+  ``torch_tree_attn/__init__.py`` calls it when CUDA is available and triton importable.
+
+Two kernels (README, "The CUDA kernels"): the main pass (one program per (row block of a
+kv head, batch row x kv head, key split)) and, only when the keys are split, a reduce pass
+that merges the splits' partials by their LSE. Tile/split choices: triton_heuristics.py.
+"""
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _C
+from . import triton_heuristics as heur
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp (no libdevice, so the interpreter runs it too): odd, saturates to +-1.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with float32 accumulation. HALF_DOT: a is rounded to b's float16/bfloat16 (the
+    probabilities P before P.V; a no-op for the query) and the product runs on tensor
+    cores; otherwise IEEE float32 (no TF32; half K/V under a float32 query are upcast).
+    UPCAST (interpreter only, whose numpy has no bfloat16 matmul) computes the half
+    product exactly in float32 from the same rounded operands."""
+    if HALF_DOT:
+        a = a.to(b.dtype)
+        if not UPCAST:
+            return tl.dot(a, b)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, HAS_SINK: tl.constexpr):
+    """(out float32 [rows, D], lse [rows]) of rows whose online softmax state, in base 2,
+    is (acc, m_i, l_i): sinks join here, poisoned rows become NaN, rows that see no key
+    give 0 and lse -inf (or their sink, exactly)."""
+    seen_any = l_i > 0
+    keys_lse2 = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h, mask=row_ok, other=float("-inf"))
+        poison = poison | ((sink != sink) | (sink == float("inf"))).to(tl.int32)
+        sink2 = tl.where(sink == sink, sink, float("-inf")) * 1.4426950408889634
+        hi = tl.maximum(keys_lse2, sink2)
+        lo = tl.minimum(keys_lse2, sink2)
+        hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
+        lse2 = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log2(1.0 + tl.exp2(lo - hi_safe)))
+        lse2_safe = tl.where(lse2 == float("-inf"), 0.0, lse2)
+        weight = tl.where(seen_any, tl.exp2(m_i - lse2_safe), 0.0)
+        # A row that sees no key: lse is the sink exactly (no base-2 round trip).
+        lse = tl.where(seen_any, lse2 * 0.6931471805599453, sink)
+    else:
+        weight = tl.where(seen_any, 1.0 / tl.where(seen_any, l_i, 1.0), 0.0)
+        lse = keys_lse2 * 0.6931471805599453
+    out = acc * weight[:, None]
+    bad = poison != 0
+    out = tl.where(bad[:, None], float("nan"), out)
+    lse = tl.where(bad, float("nan"), lse)
+    return out, lse
+
+
+# Sizes vary from call to call: not specialised (fewer compilations); strides stay
+# specialised (alignment of the K/V rows matters for vector loads).
+@triton.jit(do_not_specialize=["Hkv", "G", "T", "S", "M", "R", "total_rows", "num_splits"])
+def _tree_attn_main(
+    Q, K, V, MASK, OFF, SINK, OUT, LSE, PO, PM, PL,
+    sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, sm0, sm1, sm2, sm3,
+    Hkv, G, T, S, M, R, total_rows, num_splits,
+    scale, softcap,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
+    MASK_FLOAT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Main pass. A program owns BLOCK_M rows of one (batch row b, kv head) -- rows r of a
+    kv head are its (query head kvh*G + r // T, tree node r % T) pairs -- and one key split:
+    tiles [t_lo, t_hi) of [0, kend), kend = min(off + M, S), computed on the device from the
+    clamped offset. Each K/V byte is read once per program covering it, i.e. ceil(G*T /
+    BLOCK_M) times per call; the mask is read only on window tiles, once per program.
+
+    Prefix tiles (entirely below off) run unmasked; window tiles load the mask, are skipped
+    before K/V is loaded when no row of the block sees any of their keys, and load K/V with
+    bounds masks (other=0) so no slot >= kend is read. What a row does not see is excluded
+    by selection (tl.where), never by arithmetic: a poison flag per row records a
+    non-finite raw score, a seen NaN/+inf bias or a seen non-finite V row (window V rows
+    are zeroed before P.V so their NaN cannot reach rows that don't see them); a non-finite
+    accumulator (a prefix V) poisons at the end."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (bh // Hkv).to(tl.int64)
+    kvh = (bh % Hkv).to(tl.int64)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < R
+    g = rows // T
+    i = rows % T
+    h = kvh * G + g                      # int64 query head per row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(Q + b * sq0 + h[:, None] * sq1 + i[:, None].to(tl.int64) * sq2 + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if not HALF_DOT:
+        q = q.to(tl.float32)
+
+    if HAS_OFF:
+        off = tl.load(OFF + b).to(tl.int64)
+        off = tl.minimum(tl.maximum(off, 0), S)
+    else:
+        off = b * 0                      # int64 scalar 0
+    kend = tl.minimum(off + M, S)
+    n_tiles = tl.cdiv(kend, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, n_tiles)
+    n_prefix = off // BLOCK_N            # tiles entirely inside the prefix [0, off)
+
+    k_base = K + b * sk0 + kvh * sk1
+    v_base = V + b * sv0 + kvh * sv1
+    m_base = MASK + b * sm0 + h[:, None] * sm1 + i[:, None].to(tl.int64) * sm2
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    poison = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    qk_scale = scale
+
+    # --- prefix tiles: every key < off <= S, every row sees every key ------------------
+    for t in range(t_lo, tl.minimum(t_hi, n_prefix)):
+        keys = (t * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k = tl.load(k_base + keys[:, None] * sk2 + d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_base + keys[:, None] * sv2 + d[None, :], mask=d_ok[None, :], other=0.0)
+        s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
+        s = s * qk_scale
+        bad = (s - s) != 0.0             # NaN or +-inf raw score (before the softcap)
+        poison = poison | tl.max(bad.to(tl.int32), axis=1)
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(bad, float("-inf"), s * 1.4426950408889634)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = _dot(p, v, HALF_DOT, UPCAST)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # --- window tiles: keys [n_prefix * BLOCK_N, kend), the mask decides ----------------
+    for t in range(tl.maximum(t_lo, n_prefix), t_hi):
+        keys = (t * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        in_range = keys < kend
+        in_win = (keys >= off) & in_range
+        col = keys - off
+        win2 = row_ok[:, None] & in_win[None, :]
+        if MASK_FLOAT:
+            bias = tl.load(m_base + col[None, :] * sm3, mask=win2, other=float("-inf"))
+            seen_w = win2 & (bias != float("-inf"))         # a NaN bias is seen
+        else:
+            mb = tl.load(m_base + col[None, :] * sm3, mask=win2, other=0)
+            seen_w = win2 & (mb != 0)
+        seen = seen_w | (row_ok[:, None] & (keys < off)[None, :])
+        if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
+            kv_ok = in_range[:, None] & d_ok[None, :]
+            k = tl.load(k_base + keys[:, None] * sk2 + d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(v_base + keys[:, None] * sv2 + d[None, :], mask=kv_ok, other=0.0)
+            s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
+            s = s * qk_scale
+            bad = seen & ((s - s) != 0.0)
+            if MASK_FLOAT:
+                bad = bad | (seen_w & ((bias != bias) | (bias == float("inf"))))
+            vf = v.to(tl.float32)
+            v_bad = tl.max(((vf - vf) != 0.0).to(tl.int32), axis=1) != 0   # per key
+            bad = bad | (seen & v_bad[None, :])
+            poison = poison | tl.max(bad.to(tl.int32), axis=1)
+            if HAS_SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            if MASK_FLOAT:
+                s = s + tl.where(seen_w, bias, 0.0)
+            s = tl.where(seen & ~bad, s * 1.4426950408889634, float("-inf"))
+            v = tl.where(v_bad[:, None], 0.0, v).to(v.dtype)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = _dot(p, v, HALF_DOT, UPCAST)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+    # A non-finite prefix V reaches acc (through P.V, also as 0 * NaN): it poisons here.
+    poison = poison | tl.max(((acc - acc) != 0.0).to(tl.int32), axis=1)
+    flat = bh.to(tl.int64) * R + rows    # row of the [B, Hq, T] output, = (b*Hkv + kvh)*R + r
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    if not SPLIT:
+        out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, HAS_SINK)
+        tl.store(OUT + flat[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
+        tl.store(LSE + flat, lse, mask=row_ok)
+    else:
+        part = split.to(tl.int64) * total_rows + flat
+        tl.store(PO + part[:, None] * D + d[None, :], acc, mask=io_mask)
+        tl.store(PM + part, tl.where(poison != 0, float("nan"), m_i), mask=row_ok)
+        tl.store(PL + part, l_i, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["total_rows", "T", "Hq", "num_splits"])
+def _tree_attn_reduce(
+    PO, PM, PL, SINK, OUT, LSE, total_rows, T, Hq, num_splits,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """Reduce pass (only when the keys are split): a program owns BLOCK_R output rows and
+    merges their num_splits partials (unnormalised O, base-2 max m, sum l; m = NaN marks a
+    poisoned split) in split order: deterministic, no atomics. Reads each partial once."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    row_ok = rows < total_rows
+    d = tl.arange(0, BLOCK_D)
+    io_mask = row_ok[:, None] & (d < D)[None, :]
+    m_max = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    poison = tl.zeros((BLOCK_R,), dtype=tl.int32)
+    for sp in range(num_splits):
+        m_s = tl.load(PM + sp * total_rows + rows, mask=row_ok, other=float("-inf"))
+        poison = poison | (m_s != m_s).to(tl.int32)
+        m_max = tl.maximum(m_max, tl.where(m_s != m_s, float("-inf"), m_s))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    for sp in range(num_splits):
+        part = sp * total_rows + rows
+        m_s = tl.load(PM + part, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(PL + part, mask=row_ok, other=0.0)
+        w = tl.where(m_s == m_s, tl.exp2(tl.where(m_s == m_s, m_s, float("-inf")) - m_use), 0.0)
+        o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=io_mask, other=0.0)
+        l_i += l_s * w
+        acc += o_s * w[:, None]
+    h = (rows // T) % Hq
+    out, lse = _finalize(acc, m_max, l_i, poison, SINK, h, row_ok, HAS_SINK)
+    tl.store(OUT + rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
+    tl.store(LSE + rows, lse, mask=row_ok)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return heur.sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return heur.INTERPRETER_SMS
+
+
+def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None, *,
+                     num_splits: Optional[int] = None, config: Optional[tuple] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The op's semantics (README, "The op contract") on CUDA tensors, or on CPU tensors under
+    TRITON_INTERPRET=1. `num_splits` / `config` ((BLOCK_M, BLOCK_N, num_warps, num_stages))
+    override triton_heuristics (tests, tuning). Never syncs with the device."""
+    q, k, v, mask, off, sk, ints, scale_f, cap = _C._prepare(query, key, value, mask, mask_offset, scale,
+                                                             softcap, sinks)
+    B, Hq, Hkv, G, T, S, D, M, mask_float = ints[:9]
+    sq, skk, sv, sm = ints[9:13], ints[13:17], ints[17:21], ints[21:25]
+    device = q.device
+    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=device)
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=device)
+    if B == 0 or Hq == 0 or T == 0:
+        return out, lse
+    R = G * T
+    total_rows = B * Hq * T
+    half_dot = q.dtype != torch.float32
+    plan = heur.choose(D, half_dot, R, B * Hkv, S, _num_sms(device), num_splits=num_splits, config=config)
+    # Empty tensors may have no valid address; they are never dereferenced (no key, no window).
+    dummy = out
+    if not mask_float:
+        mask = mask.view(torch.uint8)
+    mask_arg = mask if mask.numel() > 0 else dummy
+    k_arg = k if k.numel() > 0 else dummy
+    v_arg = v if v.numel() > 0 else dummy
+    if plan.num_splits > 1:
+        po = torch.empty((plan.num_splits, total_rows, D), dtype=torch.float32, device=device)
+        pm = torch.empty((plan.num_splits, total_rows), dtype=torch.float32, device=device)
+        pl = torch.empty((plan.num_splits, total_rows), dtype=torch.float32, device=device)
+    else:
+        po = pm = pl = lse
+    grid = (plan.row_blocks, B * Hkv, plan.num_splits)
+    _tree_attn_main[grid](
+        q, k_arg, v_arg, mask_arg, off if off is not None else dummy, sk if sk is not None else dummy,
+        out, lse, po, pm, pl,
+        sq[0], sq[1], sq[2], skk[0], skk[1], skk[2], sv[0], sv[1], sv[2], sm[0], sm[1], sm[2], sm[3],
+        Hkv, G, T, S, M, R, total_rows, plan.num_splits,
+        scale_f, cap if cap is not None else 1.0,
+        D=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        SPLIT=plan.num_splits > 1, HAS_OFF=off is not None, HAS_SINK=sk is not None,
+        MASK_FLOAT=bool(mask_float), HAS_SOFTCAP=cap is not None, HALF_DOT=half_dot,
+        UPCAST=INTERPRETING, num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if plan.num_splits > 1:
+        block_r = heur.REDUCE_BLOCK_ROWS
+        _tree_attn_reduce[(triton.cdiv(total_rows, block_r),)](
+            po, pm, pl, sk if sk is not None else dummy, out, lse, total_rows, T, Hq, plan.num_splits,
+            D=D, BLOCK_R=block_r, BLOCK_D=plan.block_d, HAS_SINK=sk is not None,
+            num_warps=4,
+        )
+    return out, lse
+
+
+def forward(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None) -> torch.Tensor:
+    return forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)[0]
+
+
+def _forward_with_lse_op(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
+    return forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Registers forward/forward_with_lse as the ops' CUDA kernels (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    torch.library.register_kernel("tree_attn::forward", "cuda", forward)
+    torch.library.register_kernel("tree_attn::forward_with_lse", "cuda", _forward_with_lse_op)
+    _registered = True
