@@ -272,7 +272,9 @@ def test_validation_errors_name_the_argument():
     with pytest.raises(ValueError, match="head dim"):
         ops.forward(q[..., :32], kv[..., :32], kv[..., :32], mask, None, None, None)
     with pytest.raises(TypeError, match="dtypes"):
-        ops.forward(q, kv.half(), kv.half(), mask, None, None, None)
+        ops.forward(q.half(), kv, kv, mask, None, None, None)  # (f32 over half K/V is legal)
+    with pytest.raises(ValueError, match="sinks must be on the query's device"):
+        ops.forward(q, kv, kv, mask, None, None, None, torch.zeros(4))
 
 
 def test_empty_problem():

@@ -38,6 +38,13 @@ def _tanh(x):
 
 
 @triton.jit
+def _not_finite(x):
+    """NaN or +-inf, elementwise. Not `x - x != 0`: the compiler contracts `y*c - y*c` of a
+    scaled score into an FMA, whose exact rounding error is nonzero for finite values."""
+    return ~(tl.abs(x) < float("inf"))
+
+
+@triton.jit
 def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b with float32 accumulation. HALF_DOT: a is rounded to b's float16/bfloat16 (the
     probabilities P before P.V; a no-op for the query) and the product runs on tensor
@@ -153,7 +160,7 @@ def _tree_attn_main(
         v = tl.load(v_base + keys[:, None] * sv2 + d[None, :], mask=d_ok[None, :], other=0.0)
         s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
         s = s * qk_scale
-        bad = (s - s) != 0.0             # NaN or +-inf raw score (before the softcap)
+        bad = _not_finite(s)              # NaN or +-inf raw score (before the softcap)
         poison = poison | tl.max(bad.to(tl.int32), axis=1)
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -187,11 +194,11 @@ def _tree_attn_main(
             v = tl.load(v_base + keys[:, None] * sv2 + d[None, :], mask=kv_ok, other=0.0)
             s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
             s = s * qk_scale
-            bad = seen & ((s - s) != 0.0)
+            bad = seen & _not_finite(s)
             if MASK_FLOAT:
                 bad = bad | (seen_w & ((bias != bias) | (bias == float("inf"))))
             vf = v.to(tl.float32)
-            v_bad = tl.max(((vf - vf) != 0.0).to(tl.int32), axis=1) != 0   # per key
+            v_bad = tl.max(_not_finite(vf).to(tl.int32), axis=1) != 0   # per key
             bad = bad | (seen & v_bad[None, :])
             poison = poison | tl.max(bad.to(tl.int32), axis=1)
             if HAS_SOFTCAP:
@@ -210,7 +217,7 @@ def _tree_attn_main(
             m_i = m_new
 
     # A non-finite prefix V reaches acc (through P.V, also as 0 * NaN): it poisons here.
-    poison = poison | tl.max(((acc - acc) != 0.0).to(tl.int32), axis=1)
+    poison = poison | tl.max(_not_finite(acc).to(tl.int32), axis=1)
     flat = bh.to(tl.int64) * R + rows    # row of the [B, Hq, T] output, = (b*Hkv + kvh)*R + r
     io_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:

@@ -557,7 +557,9 @@ struct Kernel {
     const float cap = p.softcap, inv_cap = std::min(1.0f / p.softcap, std::numeric_limits<float>::max());
     for (int64_t i = 0; i < nj * plan.rp; i += kLanes) {
       Vec s = load(st + i) * scale;
-      const IVec finite = s - s == 0.0f;
+      // Comparisons, not s - s == 0: that is contraction-proof (an FMA of the scaling
+      // would leave the product's rounding error).
+      const IVec finite = (s < kInf) & (s > -kInf);
       if (p.softcap > 0) s = cap * vtanh(s * inv_cap);
       store(st + i, finite ? s : splat(kNaN));
     }
