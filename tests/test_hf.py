@@ -736,6 +736,11 @@ def test_ordinary_forward_logits_match_sdpa_with_user_4d_mask():
 def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile(kind):
     """StaticCache + torch.compile(fullgraph=True): verify steps with changing prefix
     lengths (a tensor), trees and positions reuse one graph and match eager mode."""
+    if kind == "gpt_oss" and tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 17):
+        # transformers' own gpt-oss code, not the op: before 5.17 it derives cache_position
+        # with a data-dependent arange, and its float32 experts call a bf16-only grouped
+        # matmul under torch.compile (seen on 5.0; 5.17 and 5.24 pass).
+        pytest.skip(f"transformers {transformers.__version__}: gpt-oss does not compile fullgraph before 5.17")
     torch._dynamo.reset()
     model = model_for(kind)
     model.set_attn_implementation("tree_attn")
