@@ -347,6 +347,31 @@ def inject_nonfinite(inputs: dict, kind: str, seed: int = 0) -> bool:
     return True
 
 
+def check_clamped_offsets(run, offset_dtype: torch.dtype) -> None:
+    """Backends that never read offsets on the host (MPS, CUDA) clamp each to [0, S] and
+    read no key outside [0, S): a negative offset acts as 0; one past S makes the whole
+    cache the prefix and leaves no window. `run(inputs) -> (out, lse)` on CPU tensors."""
+    case = Case(B=2, Hq=4, Hkv=1, T=5, S=40, D=64, offsets="same", seed=302)
+    inputs = make_inputs(case)
+    gen = torch.Generator().manual_seed(7)
+    # No NaN slots here: with these offsets every key may legitimately be read.
+    inputs["key"] = torch.randn(inputs["key"].shape, generator=gen)
+    inputs["value"] = torch.randn(inputs["value"].shape, generator=gen)
+    inputs["mask_offset"] = torch.tensor([-5, 1000], dtype=offset_dtype)
+    out, lse = run(inputs)
+
+    def row(b, **overrides):
+        one = {n: t[b:b + 1] if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+        return tree_attention_reference(**dict(one, **overrides))
+
+    ref_out, ref_lse = row(0, mask_offset=torch.tensor([0]))
+    torch.testing.assert_close(out[:1].double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse[:1].double(), ref_lse, atol=1e-4, rtol=1e-5)
+    ref_out, ref_lse = row(1, mask_offset=torch.tensor([case.S]), mask=inputs["mask"][1:, :, :0])
+    torch.testing.assert_close(out[1:].double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse[1:].double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
 def check_nonfinite_case(case: Case, kind: str, run) -> None:
     """One `nonfinite_cases()` pair through a backend: `run(inputs) -> (out, lse)` must put
     NaN exactly in the rows the reference poisons, and the injection must be meaningful."""

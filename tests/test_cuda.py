@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import (Case, args_of, check_against_reference, check_nonfinite_case, make_inputs,
+from tests.cases import (Case, check_clamped_offsets, args_of, check_against_reference, check_nonfinite_case, make_inputs,
                          nonfinite_cases, parity_matrix, random_tree_mask)
-from torch_tree_attn.reference import tree_attention_reference
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
@@ -121,24 +120,7 @@ def test_nan_in_unused_cache_slots():
 
 @pytest.mark.parametrize("offset_dtype", [torch.int32, torch.int64])
 def test_out_of_range_offsets_are_clamped(offset_dtype):
-    case = Case(B=2, Hq=4, Hkv=1, T=5, S=40, D=64, offsets="same", seed=302)
-    inputs = make_inputs(case)
-    gen = torch.Generator().manual_seed(7)
-    inputs["key"] = torch.randn(inputs["key"].shape, generator=gen)
-    inputs["value"] = torch.randn(inputs["value"].shape, generator=gen)
-    inputs["mask_offset"] = torch.tensor([-5, 1000], dtype=offset_dtype)
-    out, lse = run_cuda(inputs)
-
-    def row(b, **overrides):
-        one = {n: t[b:b + 1] if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
-        return tree_attention_reference(**dict(one, **overrides))
-
-    ref_out, ref_lse = row(0, mask_offset=torch.tensor([0]))
-    torch.testing.assert_close(out[:1].double(), ref_out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(lse[:1].double(), ref_lse, atol=1e-4, rtol=1e-5)
-    ref_out, ref_lse = row(1, mask_offset=torch.tensor([case.S]), mask=inputs["mask"][1:, :, :0])
-    torch.testing.assert_close(out[1:].double(), ref_out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(lse[1:].double(), ref_lse, atol=1e-4, rtol=1e-5)
+    check_clamped_offsets(run_cuda, offset_dtype)
 
 
 def test_no_host_sync():

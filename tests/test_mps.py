@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import args_of, Case, check_against_reference, make_inputs, parity_matrix
+from tests.cases import args_of, Case, check_clamped_offsets, check_against_reference, make_inputs, parity_matrix
 from torch_tree_attn.reference import tree_attention_reference
 
 pytestmark = pytest.mark.skipif(
@@ -100,29 +100,8 @@ def test_offsets_on_device(offset_dtype):
 
 @pytest.mark.parametrize("offset_dtype", [torch.int32, torch.int64])
 def test_out_of_range_offsets_are_clamped(offset_dtype):
-    """MPS never reads offsets on the host; the kernels clamp each to [0, S] and read no
-    key outside [0, S). A negative offset acts as 0; one past S makes the whole cache the
-    prefix and leaves no window. (int32 offsets reach the kernel as given, int64 ones are
-    saturated to int32 first.)"""
-    case = Case(B=2, Hq=4, Hkv=1, T=5, S=40, D=64, offsets="same", seed=302)
-    inputs = make_inputs(case)
-    gen = torch.Generator().manual_seed(7)
-    # No NaN slots here: with these offsets every key may legitimately be read.
-    inputs["key"] = torch.randn(inputs["key"].shape, generator=gen)
-    inputs["value"] = torch.randn(inputs["value"].shape, generator=gen)
-    inputs["mask_offset"] = torch.tensor([-5, 1000], dtype=offset_dtype)
-    out, lse = run_mps(inputs)
-
-    def row(b, **overrides):
-        one = {name: value[b:b + 1] if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
-        return tree_attention_reference(**dict(one, **overrides))
-
-    ref_out, ref_lse = row(0, mask_offset=torch.tensor([0]))
-    torch.testing.assert_close(out[:1].double(), ref_out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(lse[:1].double(), ref_lse, atol=1e-4, rtol=1e-5)
-    ref_out, ref_lse = row(1, mask_offset=torch.tensor([case.S]), mask=inputs["mask"][1:, :, :0])
-    torch.testing.assert_close(out[1:].double(), ref_out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(lse[1:].double(), ref_lse, atol=1e-4, rtol=1e-5)
+    """(int32 offsets reach the kernel as given, int64 ones are saturated to int32 first.)"""
+    check_clamped_offsets(run_mps, offset_dtype)
 
 
 def test_sliced_inputs_use_their_storage_offset():

@@ -17,9 +17,8 @@ import torch  # noqa: E402
 
 import torch_tree_attn  # noqa: E402,F401
 from torch_tree_attn import triton_backend as tb  # noqa: E402
-from tests.cases import (Case, args_of, check_against_reference, check_nonfinite_case, make_inputs,  # noqa: E402
+from tests.cases import (Case, check_clamped_offsets, args_of, check_against_reference, check_nonfinite_case, make_inputs,  # noqa: E402
                          nonfinite_cases, parity_matrix)
-from torch_tree_attn.reference import tree_attention_reference  # noqa: E402
 
 # A representative share of the parity matrix: every 12th case reaches every (dtype pair,
 # head dim) combination about three times and every mask kind, window and rotation.
@@ -94,24 +93,7 @@ def clamped_offsets():
     outside [0, S): a negative offset acts as 0; one past S makes the whole cache the prefix."""
     for offset_dtype in (torch.int32, torch.int64):
         def check(offset_dtype=offset_dtype):
-            case = Case(B=2, Hq=4, Hkv=1, T=5, S=40, D=64, offsets="same", seed=302)
-            inputs = make_inputs(case)
-            gen = torch.Generator().manual_seed(7)
-            inputs["key"] = torch.randn(inputs["key"].shape, generator=gen)
-            inputs["value"] = torch.randn(inputs["value"].shape, generator=gen)
-            inputs["mask_offset"] = torch.tensor([-5, 1000], dtype=offset_dtype)
-            out, lse = run(inputs)
-
-            def row(b, **overrides):
-                one = {n: t[b:b + 1] if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
-                return tree_attention_reference(**dict(one, **overrides))
-
-            ref_out, ref_lse = row(0, mask_offset=torch.tensor([0]))
-            torch.testing.assert_close(out[:1].double(), ref_out, atol=2e-5, rtol=2e-5)
-            torch.testing.assert_close(lse[:1].double(), ref_lse, atol=1e-4, rtol=1e-5)
-            ref_out, ref_lse = row(1, mask_offset=torch.tensor([case.S]), mask=inputs["mask"][1:, :, :0])
-            torch.testing.assert_close(out[1:].double(), ref_out, atol=2e-5, rtol=2e-5)
-            torch.testing.assert_close(lse[1:].double(), ref_lse, atol=1e-4, rtol=1e-5)
+            check_clamped_offsets(run, offset_dtype)
         yield str(offset_dtype), check
 
 

@@ -59,6 +59,20 @@ def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile into the running state (m_i, l_i, acc) of each row: s are the tile's
+    final scores in base 2 (-inf where unseen), v its value rows. A row that has seen no key
+    keeps m = -inf and subtracts 0, so every exponent is exp2(-inf) = 0, never NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p, v, HALF_DOT, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, HAS_SINK: tl.constexpr):
     """(out float32 [rows, D], lse [rows]) of rows whose online softmax state, in base 2,
     is (acc, m_i, l_i): sinks join here, poisoned rows become NaN, rows that see no key
@@ -165,14 +179,7 @@ def _tree_attn_main(
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
         s = tl.where(bad, float("-inf"), s * 1.4426950408889634)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = _dot(p, v, HALF_DOT, UPCAST)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, HALF_DOT, UPCAST)
 
     # --- window tiles: keys [n_prefix * BLOCK_N, kend), the mask decides ----------------
     for t in range(tl.maximum(t_lo, n_prefix), t_hi):
@@ -207,14 +214,7 @@ def _tree_attn_main(
                 s = s + tl.where(seen_w, bias, 0.0)
             s = tl.where(seen & ~bad, s * 1.4426950408889634, float("-inf"))
             v = tl.where(v_bad[:, None], 0.0, v).to(v.dtype)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            pv = _dot(p, v, HALF_DOT, UPCAST)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, HALF_DOT, UPCAST)
 
     # A non-finite prefix V reaches acc (through P.V, also as 0 * NaN): it poisons here.
     poison = poison | tl.max(_not_finite(acc).to(tl.int32), axis=1)
