@@ -115,6 +115,23 @@ SimdGroup& simd_arrive(const char* op_name, const Site& site, const void* value,
                        uint32_t arg);
 void threadgroup_barrier_wait(const Site& site);
 
+// Collective simd-group operations that move data on behalf of every lane (simdgroup_load,
+// simdgroup_store) make each lane's memory accesses *as that lane*, so bounds faults, race
+// records and byte counts name the lane that owns the element. While a LaneScope is alive,
+// current_thread() is lane `lane` of the calling thread's simdgroup. Only valid inside the
+// compute step of a completed simd-group op (every other lane of the simdgroup is suspended
+// at the op), which never switches fibers.
+class LaneScope {
+ public:
+  explicit LaneScope(uint32_t lane);
+  ~LaneScope();
+  LaneScope(const LaneScope&) = delete;
+  LaneScope& operator=(const LaneScope&) = delete;
+
+ private:
+  ThreadCtx* saved_;
+};
+
 // Threadgroup memory declared in a kernel body: one allocation per threadgroup per site.
 struct TgSite {
   const char* name;

@@ -402,6 +402,11 @@ void Worker::deadlock() {
 // ---------------------------------------------------------------------------------------------
 ThreadCtx* current_thread() { return tls_thread; }
 
+LaneScope::LaneScope(uint32_t lane) : saved_(tls_thread) {
+  tls_thread = &saved_->worker->threads[saved_->simd * kSimdWidth + lane];
+}
+LaneScope::~LaneScope() { tls_thread = saved_; }
+
 SimdGroup& simd_arrive(const char* op_name, const Site& site, const void* value, uint32_t size, uint32_t arg) {
   ThreadCtx* t = tls_thread;
   Worker* w = t->worker;
