@@ -87,8 +87,16 @@ struct TgShadow {
   uint8_t read_simd = 0;
 };
 
+// Per-launch operation counters beside the device bytes (BufferState), one set per worker,
+// summed by launch(). What each counts is documented with runtime.h's LaunchStats.
+struct OpCounters {
+  uint64_t threadgroup_bytes_read = 0, threadgroup_bytes_written = 0;
+  uint64_t simdgroup_mmas = 0, scalar_fmas = 0, shuffles = 0;
+};
+
 struct ThreadCtx {
   Worker* worker = nullptr;
+  OpCounters* counters = nullptr;  // the worker's
   // Threadgroup-memory race detection, for the inline fast path of loads (msl.h).
   TgShadow* tg_shadow = nullptr;
   uintptr_t tg_arena = 0;

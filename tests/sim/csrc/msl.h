@@ -530,9 +530,24 @@ template <class T, int N> inline vec<T, N> clamp(const vec<T, N>& x, T lo, T hi)
   return min(max(x, vec<T, N>(lo)), vec<T, N>(hi));
 }
 
-inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
-inline half fma(half a, half b, half c) { return half(float(double(a) * double(b) + double(c))); }
-inline bfloat fma(bfloat a, bfloat b, bfloat c) { return bfloat(float(double(a) * double(b) + double(c))); }
+namespace detail {
+inline void count_fma() {
+  if (auto* t = tree_attn::sim::detail::current_thread()) ++t->counters->scalar_fmas;
+}
+}  // namespace detail
+// Each scalar fma is counted (LaunchStats::scalar_fmas).
+inline float fma(float a, float b, float c) {
+  detail::count_fma();
+  return std::fma(a, b, c);
+}
+inline half fma(half a, half b, half c) {
+  detail::count_fma();
+  return half(float(double(a) * double(b) + double(c)));
+}
+inline bfloat fma(bfloat a, bfloat b, bfloat c) {
+  detail::count_fma();
+  return bfloat(float(double(a) * double(b) + double(c)));
+}
 template <class T, int N> inline vec<T, N> fma(const vec<T, N>& a, const vec<T, N>& b, const vec<T, N>& c) {
   vec<T, N> r;
   for (int i = 0; i < N; ++i) r[i] = fma(a[i], b[i], c[i]);
@@ -645,16 +660,20 @@ template <class T> void slot_put(unsigned char* s, const T& v) { std::memcpy(s, 
 
 // Gather one value per live lane, run `compute(sg)` once for the whole simdgroup (whichever lane
 // resumes first), hand each lane its result.
-template <class T, class Compute>
-inline T simd_collective(const char* name, const std::source_location& site, const T& value, uint32_t arg,
-                         Compute&& compute) {
+// (Each lane's result is a T, or an R when given.)
+template <class R = void, class T, class Compute>
+inline std::conditional_t<std::is_void_v<R>, T, R> simd_collective(const char* name, const std::source_location& site,
+                                                                   const T& value, uint32_t arg, Compute&& compute) {
+  using Result = std::conditional_t<std::is_void_v<R>, T, R>;
+  static_assert(sizeof(Result) <= tree_attn::sim::detail::kSimdSlotBytes);
   const uint32_t lane = tree_attn::sim::detail::current_thread()->lane;
   SimdGroup& sg = tree_attn::sim::detail::simd_arrive(name, site, &value, sizeof(T), arg);
   if (sg.computed != sg.completed) {
+    ++tree_attn::sim::detail::current_thread()->counters->shuffles;
     compute(sg);
     sg.computed = sg.completed;
   }
-  return slot_get<T>(sg.results[lane]);
+  return slot_get<Result>(sg.results[lane]);
 }
 
 // A fixed pairwise tree over lanes 0..31 (absent lanes skipped), the same for every lane.
@@ -826,11 +845,16 @@ class simd_vote {
 };
 
 inline simd_vote simd_ballot(bool b, TREE_ATTN_SIM_SITE) {
-  const uint32_t mask = detail::simd_reduce("simd_ballot", site, uint32_t(b) << tree_attn::sim::detail::current_thread()->lane,
-                                            [](uint32_t a, uint32_t c) { return a | c; });
-  const uint32_t active = detail::simd_reduce("simd_ballot", site, uint32_t(1) << tree_attn::sim::detail::current_thread()->lane,
-                                              [](uint32_t a, uint32_t c) { return a | c; });
-  return simd_vote(mask).with_active(active);
+  // One collective: the ballot of the participating lanes, and which lanes participated.
+  const uint64_t r = detail::simd_collective<uint64_t>("simd_ballot", site, b, 0, [](detail::SimdGroup& sg) {
+    uint32_t votes = 0;
+    for (int l = 0; l < 32; ++l)
+      if ((sg.op_mask >> l & 1u) && detail::slot_get<bool>(sg.values[l])) votes |= 1u << l;
+    const uint64_t packed = uint64_t(sg.op_mask) << 32 | votes;
+    for (int l = 0; l < 32; ++l)
+      if (sg.op_mask >> l & 1u) detail::slot_put(sg.results[l], packed);
+  });
+  return simd_vote(r & 0xffffffffu).with_active(r >> 32);
 }
 inline bool simd_any(bool b, TREE_ATTN_SIM_SITE) {
   return detail::simd_reduce("simd_any", site, b, [](bool a, bool c) { return a || c; });
@@ -1056,12 +1080,14 @@ template <class T> class threadgroup_lvalue {
 
   T load() const {
     detail::threadgroup_track_load(thread_, addr_, sizeof(T));
+    thread_->counters->threadgroup_bytes_read += sizeof(T);
     T v;
     std::memcpy(&v, reinterpret_cast<const void*>(addr_), sizeof(T));
     return v;
   }
   void store(const T& v) const {
     tree_attn::sim::detail::threadgroup_track(addr_, sizeof(T), true);
+    thread_->counters->threadgroup_bytes_written += sizeof(T);
     std::memcpy(reinterpret_cast<void*>(addr_), &v, sizeof(T));
   }
 
@@ -1085,7 +1111,9 @@ template <class T> decltype(auto) threadgroup_element(uintptr_t a) {
   if constexpr (!tg_tracked_v<T>) {
     return *reinterpret_cast<T*>(a);
   } else if constexpr (std::is_const_v<T>) {
-    detail::threadgroup_track_load(tree_attn::sim::detail::current_thread(), a, sizeof(T));
+    auto* t = tree_attn::sim::detail::current_thread();
+    detail::threadgroup_track_load(t, a, sizeof(T));
+    t->counters->threadgroup_bytes_read += sizeof(T);
     std::remove_const_t<T> v;
     std::memcpy(&v, reinterpret_cast<const void*>(a), sizeof(T));
     return v;
@@ -1415,6 +1443,7 @@ void simdgroup_mma_impl(const char* name, const mma_args<TD, TA, TB, TC>& mine, 
         acc[s.row][s.col + k] = args[l]->c ? float((*args[l]->c)[int(k)]) : 0.0f;
       }
     }
+    ++tree_attn::sim::detail::current_thread()->counters->simdgroup_mmas;
     for (int i = 0; i < 8; ++i)
       for (int j = 0; j < 8; ++j)
         for (int k = 0; k < 8; ++k) {
