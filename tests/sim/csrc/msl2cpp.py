@@ -58,14 +58,6 @@ CXX_ATTRIBUTES = {"maybe_unused", "likely", "unlikely", "nodiscard", "fallthroug
 # Identifiers whose presence means the source uses something the simulator does not model.
 REJECTED_IDENTIFIERS = {
     "double": "double is not an MSL type",
-    "simdgroup_matrix": "simdgroup_matrix is not supported by the simulator",
-    "simdgroup_float8x8": "simdgroup_matrix types are not supported by the simulator",
-    "simdgroup_half8x8": "simdgroup_matrix types are not supported by the simulator",
-    "simdgroup_bfloat8x8": "simdgroup_matrix types are not supported by the simulator",
-    "simdgroup_load": "simdgroup_matrix loads are not supported by the simulator",
-    "simdgroup_store": "simdgroup_matrix stores are not supported by the simulator",
-    "simdgroup_multiply": "simdgroup_matrix math is not supported by the simulator",
-    "simdgroup_multiply_accumulate": "simdgroup_matrix math is not supported by the simulator",
     "imageblock": "imageblocks are not supported",
     "sampler": "textures and samplers are not supported",
     "visible_function_table": "function tables are not supported",
@@ -364,8 +356,8 @@ class Translator:
                 continue
             name, rest = m.group(1), m.group(2).strip()
             if name == "include":
-                if rest == "<metal_stdlib>":
-                    t.out = "// #include <metal_stdlib>: provided by sim/msl.h"
+                if rest in ("<metal_stdlib>", "<metal_simdgroup_matrix>"):
+                    t.out = f"// #include {rest}: provided by sim/msl.h"
                 elif rest.startswith("<"):
                     self.error(t.line, f"#include {rest}: only <metal_stdlib> is supported (and project headers in quotes)")
                 elif rest.startswith('"'):
