@@ -152,6 +152,7 @@ struct Worker {
   std::vector<std::pair<const TgSite*, TgRegion>> declared;
   std::vector<TgRegion> regions;  // every region of the current threadgroup, for lookups
 
+  OpCounters counters;
   ThreadCtx threads[kMaxThreadsPerThreadgroup];
   SimdGroup simd[kMaxThreadsPerThreadgroup / kSimdWidth];
   std::vector<std::unique_ptr<Stack>> stacks;
@@ -257,6 +258,7 @@ void Worker::prepare(const LaunchShared& shared) {
   stores.clear();
   loads.clear();
   std::memcpy(buffers, shared.buffers, sizeof(buffers));
+  counters = OpCounters{};
   fault = nullptr;
   fault_tg = UINT64_MAX;
   const size_t want = env_size("TREE_ATTN_SIM_STACK_KIB", 256) * 1024;
@@ -268,6 +270,7 @@ void Worker::prepare(const LaunchShared& shared) {
   for (uint32_t i = 0; i < shared.num_threads; ++i) {
     ThreadCtx& t = threads[i];
     t.worker = this;
+    t.counters = &counters;
     t.tg_shadow = shadow.data();
     t.tg_arena = reinterpret_cast<uintptr_t>(arena);
     t.tg_epoch = &epoch;
@@ -401,6 +404,11 @@ void Worker::deadlock() {
 // Hooks called from translated kernels (declared in exec.h / kernel_registry.h)
 // ---------------------------------------------------------------------------------------------
 ThreadCtx* current_thread() { return tls_thread; }
+
+LaneScope::LaneScope(uint32_t lane) : saved_(tls_thread) {
+  tls_thread = &saved_->worker->threads[saved_->simd * kSimdWidth + lane];
+}
+LaneScope::~LaneScope() { tls_thread = saved_; }
 
 SimdGroup& simd_arrive(const char* op_name, const Site& site, const void* value, uint32_t size, uint32_t arg) {
   ThreadCtx* t = tls_thread;
@@ -912,6 +920,11 @@ LaunchStats launch(const LaunchDesc& desc) {
       stats.device_bytes_read += b.bytes_read;
       stats.device_bytes_written += b.bytes_written;
     }
+    stats.threadgroup_bytes_read += w->counters.threadgroup_bytes_read;
+    stats.threadgroup_bytes_written += w->counters.threadgroup_bytes_written;
+    stats.simdgroup_mmas += w->counters.simdgroup_mmas;
+    stats.scalar_fmas += w->counters.scalar_fmas;
+    stats.shuffles += w->counters.shuffles;
     w->fault = nullptr;
     w->launch = nullptr;
   }

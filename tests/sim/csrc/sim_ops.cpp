@@ -1,6 +1,7 @@
 // Debug ops that expose the Metal Shading Language simulator directly, for tests of the
 // simulator itself (tests/test_simulator.py): `launch` runs any translated kernel on CPU
 // tensors bound as writable buffers, which is why this is test apparatus only.
+// `launch_counters` runs it the same way and returns every counter of the launch as a dict.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -32,8 +33,8 @@ std::array<uint32_t, 3> launch_dims(c10::IntArrayRef v, const char* what) {
 
 // buffers[i] is bound at [[buffer(i)]]: the whole storage, offset to the tensor's first element,
 // writable. threadgroup_memory[i] is the length of [[threadgroup(i)]].
-std::vector<int64_t> metal_sim_launch(const std::string& kernel, c10::IntArrayRef grid, c10::IntArrayRef threads,
-                                      c10::IntArrayRef threadgroup_memory, at::TensorList buffers) {
+sim::LaunchStats run_launch(const std::string& kernel, c10::IntArrayRef grid, c10::IntArrayRef threads,
+                           c10::IntArrayRef threadgroup_memory, at::TensorList buffers) {
   sim::LaunchDesc desc;
   desc.kernel = kernel;
   desc.grid = launch_dims(grid, "grid");
@@ -54,8 +55,24 @@ std::vector<int64_t> metal_sim_launch(const std::string& kernel, c10::IntArrayRe
     b.name = "buffers[" + std::to_string(i) + "]";
     desc.buffers[int(i)] = std::move(b);
   }
-  const sim::LaunchStats stats = sim::launch(desc);
+  return sim::launch(desc);
+}
+
+// [device bytes read, device bytes written].
+std::vector<int64_t> metal_sim_launch(const std::string& kernel, c10::IntArrayRef grid, c10::IntArrayRef threads,
+                                      c10::IntArrayRef threadgroup_memory, at::TensorList buffers) {
+  const sim::LaunchStats stats = run_launch(kernel, grid, threads, threadgroup_memory, buffers);
   return {int64_t(stats.device_bytes_read), int64_t(stats.device_bytes_written)};
+}
+
+// Every counter of the launch by name (runtime.h counter_items, LaunchStats documents them).
+c10::Dict<std::string, int64_t> metal_sim_launch_counters(const std::string& kernel, c10::IntArrayRef grid,
+                                                          c10::IntArrayRef threads, c10::IntArrayRef threadgroup_memory,
+                                                          at::TensorList buffers) {
+  const sim::LaunchStats stats = run_launch(kernel, grid, threads, threadgroup_memory, buffers);
+  c10::Dict<std::string, int64_t> out;
+  for (const auto& [name, value] : sim::counter_items(stats)) out.insert(name, int64_t(value));
+  return out;
 }
 
 std::vector<std::string> metal_sim_kernels() { return sim::kernel_names(); }
@@ -66,9 +83,15 @@ TORCH_LIBRARY_FRAGMENT(tree_attn_sim, m) {
   m.def(
       "launch(str kernel, int[] grid, int[] threads, int[] threadgroup_memory, Tensor(a!)[] buffers) "
       "-> int[]");
+  m.def(
+      "launch_counters(str kernel, int[] grid, int[] threads, int[] threadgroup_memory, Tensor(a!)[] buffers) "
+      "-> Dict(str, int)");
   m.def("kernels() -> str[]", &metal_sim_kernels);
 }
 
-TORCH_LIBRARY_IMPL(tree_attn_sim, CPU, m) { m.impl("launch", &metal_sim_launch); }
+TORCH_LIBRARY_IMPL(tree_attn_sim, CPU, m) {
+  m.impl("launch", &metal_sim_launch);
+  m.impl("launch_counters", &metal_sim_launch_counters);
+}
 
 }  // namespace tree_attn
