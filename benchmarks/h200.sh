@@ -16,6 +16,9 @@
 #             (TREE_ATTN_TEST_SHARD=i/n), so Triton's compilations use the CPU cores
 #   bench     benchmarks/bench_op.py --device cuda -> $OUT/bench.{txt,json,png} (alone on the GPU)
 #   triton    tests/test_triton.py (the interpreter run of the same kernels)
+#   hf        tests/test_hf.py on the GPU (TREE_ATTN_TEST_DEVICE=cuda)
+#   eagle3    examples/eagle3_verify.py --device cuda --check (the built-in pair)
+#   tune      benchmarks/tune_cuda.py -> $OUT/tune.{log,json} (not in the default stages)
 #   suite     builds tests/sim, then the rest of tests/
 set -u
 cd "$(dirname "$0")/.."
@@ -24,7 +27,7 @@ OUT=${OUT:-$ROOT/h200-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET=${H200_BUDGET_S:-570}
-STAGES=${*:-install core parity bench triton suite}
+STAGES=${*:-install core parity hf eagle3 bench triton suite}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export MAX_JOBS=${MAX_JOBS:-16}
 if [ -z "${CXX:-}" ] && [ -x /opt/gcc/bin/g++ ]; then
@@ -81,10 +84,13 @@ for s in $STAGES; do
       stage bench 200 $PY benchmarks/bench_op.py --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png"
       cp "$OUT/bench.log" "$OUT/bench.txt" ;;
     triton) stage triton 200 $PYTEST tests/test_triton.py ;;
+    hf) stage hf 300 env TREE_ATTN_TEST_DEVICE=cuda $PYTEST tests/test_hf.py ;;
+    eagle3) stage eagle3 200 $PY examples/eagle3_verify.py --device cuda --check ;;
+    tune) stage tune ${TUNE_S:-420} $PY benchmarks/tune_cuda.py --max-seconds $(( ${TUNE_S:-420} - 40 )) --json "$OUT/tune.json" ;;
     suite)
       stage sim-build 200 $PY -m pip install --no-build-isolation --no-deps ./tests/sim
       stage suite 600 $PYTEST tests --ignore=tests/test_cuda.py --ignore=tests/test_triton.py ;;
-    *) echo "unknown stage $s (install core parity bench triton suite)"; exit 2 ;;
+    *) echo "unknown stage $s (install core parity hf eagle3 bench triton suite tune)"; exit 2 ;;
   esac
 done
 echo "== done in ${SECONDS}s; logs in $OUT" | tee -a "$OUT/summary.txt"

@@ -45,12 +45,13 @@ void check_contract(const ArgMeta& query, const ArgMeta& key, const ArgMeta& val
 }
 
 // The internal entry of the Python (Triton) CUDA backend: the shared prepare() with
-// OffsetCheck::ClampInKernel (offsets never read on the host, so no device sync and the
-// call is capturable in a CUDA graph), returning what a launcher needs. No validation
+// OffsetCheck::ClampInKernelAnyInt (offsets never read on the host, so no device sync and
+// the call is capturable in a CUDA graph; int64 offsets need no conversion kernel),
+// returning what a launcher needs. No validation
 // happens anywhere else.
 //   (query, key, value, mask, offsets|None, sinks|None, ints, scale, softcap|None)
 //   query/key/value: stride(-1) == 1; mask: bool or float32, original (broadcast) strides;
-//   offsets: int32 [B] contiguous (int64 saturated to int32); sinks: float32 [Hq];
+//   offsets: int32 or int64 [B] contiguous, as given; sinks: float32 [Hq];
 //   ints: [B, Hq, Hkv, G, T, S, D, M, mask_is_float,
 //          q_stride x4, k_stride x4, v_stride x4, mask_stride x4]  (element strides,
 //          (batch, head, row, dim/column), broadcast dims 0)
@@ -63,7 +64,7 @@ PrepareResult prepare_for_launcher(const at::Tensor& query, const at::Tensor& ke
                                    const std::optional<at::Tensor>& sinks) {
   try {
     const tree_attn::Prepared in = tree_attn::prepare(query, key, value, mask, mask_offset, scale, softcap, sinks,
-                                                      tree_attn::OffsetCheck::ClampInKernel);
+                                                      tree_attn::OffsetCheck::ClampInKernelAnyInt);
     const auto& p = in.p;
     std::vector<int64_t> ints = {p.B, p.Hq, p.Hkv, p.G, p.T, p.S, p.D, p.M,
                                  p.mask_kind == tree_attn::MaskKind::Additive ? 1 : 0};

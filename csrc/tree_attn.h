@@ -75,7 +75,12 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
 
 // Where the offsets live decides what can be checked: reading them on MPS/CUDA would
 // force a device sync, so there kernels clamp instead (see README, "Offsets").
-enum class OffsetCheck { OnHost, ClampInKernel };
+//   OnHost        checked here (CPU); Prepared::offsets is int32.
+//   ClampInKernel the kernels clamp; Prepared::offsets is int32, int64 saturated (Metal
+//                 reads int32 only), which costs a conversion kernel for int64 offsets.
+//   ClampInKernelAnyInt the kernels clamp and read int32 or int64 as given (the Triton
+//                 kernels): Prepared::offsets is the caller's tensor, made contiguous.
+enum class OffsetCheck { OnHost, ClampInKernel, ClampInKernelAnyInt };
 
 Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& mask, const c10::optional<at::Tensor>& mask_offset,

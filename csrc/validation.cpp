@@ -201,7 +201,7 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tenso
     }
     // int32 is exact here: on the host path offsets are <= S; on the clamping path any
     // value is clamped to [0, S] before it is read, so saturate instead of wrapping.
-    out.offsets = off.scalar_type() == at::kInt
+    out.offsets = (off.scalar_type() == at::kInt || offset_check == OffsetCheck::ClampInKernelAnyInt)
                       ? off.contiguous()
                       : off.clamp(0, std::numeric_limits<int32_t>::max()).to(at::kInt).contiguous();
   }

@@ -281,7 +281,8 @@ NONFINITE_KINDS = (
     "masked_key_nan", "masked_value_inf",  # a window key no row sees: harmless
     "bias_nan", "bias_inf",                # a seen float-mask entry (float masks only)
     "sink_nan", "sink_inf",                # one head's sink: every row of that head
-)
+    "prefix_key_inf",                      # an infinite prefix key element: raw scores +inf and
+)                                          # -inf alike (last: keeps the rotation of the others)
 
 
 def _seen_window(inputs: dict) -> torch.Tensor:

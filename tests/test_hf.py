@@ -1,6 +1,8 @@
 """transformers integration: attn_implementation="tree_attn" against eager / sdpa.
 
-Tiny random-initialised models (no downloads), float32 on CPU: Llama, Qwen3, Mistral,
+Tiny random-initialised models (no downloads), float32 on CPU, or on the device
+TREE_ATTN_TEST_DEVICE names (``cuda``, ``mps``: the same tests through that backend; every
+tensor is made there, random draws are made on the CPU first so they match): Llama, Qwen3, Mistral,
 Gemma 2/3/4 and gpt-oss (Gemma 4 and gpt-oss are skipped on a transformers without them). Every tree verification is
 compared with the same weights running transformers' own "eager" (and "sdpa" where the
 model supports it) given the equivalent dense 4D additive mask, built here by loops from
@@ -8,6 +10,7 @@ the definition: a tree node sees the committed prefix, its ancestors and itself;
 sliding-window layers additionally only keys less than `window` positions behind it.
 """
 import math
+import os
 import warnings
 
 import pytest
@@ -33,6 +36,30 @@ import torch_tree_attn.hf as hf
 from torch_tree_attn._hf_compat import cache_kwargs, crop, records_its_length
 
 hf.register()
+
+DEVICE = torch.device(os.environ.get("TREE_ATTN_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("TREE_ATTN_TEST_DEVICE=cuda, but CUDA is not available", allow_module_level=True)
+if DEVICE.type == "mps" and not torch.backends.mps.is_available():
+    pytest.skip("TREE_ATTN_TEST_DEVICE=mps, but MPS is not available", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _on_test_device():
+    """Every tensor a test makes (models, caches, masks) lives on DEVICE."""
+    if DEVICE.type == "cpu":
+        yield
+        return
+    torch.set_default_device(DEVICE)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+def randint(shape, generator):
+    """Token ids drawn on the CPU (so every device sees the same ones), then on DEVICE."""
+    return torch.randint(3, VOCAB, shape, generator=generator, device="cpu").to(DEVICE)
 
 VOCAB = 97
 WINDOW = 6  # sliding window of the Mistral / Gemma configs: smaller than the prefixes below
@@ -271,7 +298,7 @@ def prefill(model, impl, cache, prompt, padding=None):
 def tree_inputs(batch, slot, padding=None, seed=0, tree_len=8):
     generator = torch.Generator().manual_seed(seed)
     parents = torch.stack([PARENTS[b % len(PARENTS)][:tree_len] for b in range(batch)])
-    tokens = torch.randint(3, VOCAB, parents.shape, generator=generator)
+    tokens = randint(parents.shape, generator)
     anc = ancestor_mask(parents)
     depth = anc.sum(-1) - 1
     real_prefix = torch.full((batch,), slot) if padding is None else padding.sum(-1)
@@ -280,7 +307,7 @@ def tree_inputs(batch, slot, padding=None, seed=0, tree_len=8):
 
 def prompt_and_padding(batch, prefix_len, left_pads, seed=0):
     generator = torch.Generator().manual_seed(100 + seed)
-    prompt = torch.randint(3, VOCAB, (batch, prefix_len), generator=generator)
+    prompt = randint((batch, prefix_len), generator)
     if not any(left_pads):
         return prompt, None
     padding = torch.ones(batch, prefix_len, dtype=torch.bool)
@@ -434,7 +461,7 @@ def test_tree_deeper_than_the_window_matches_sequential_paths(kind, cache_kind):
     logits of the ordinary forward of that path."""
     model = model_for(kind)
     prompt, _ = prompt_and_padding(1, 7, (0,), seed=31)
-    tokens = torch.randint(3, VOCAB, DEEP_PARENTS.shape, generator=torch.Generator().manual_seed(31))
+    tokens = randint(DEEP_PARENTS.shape, torch.Generator().manual_seed(31))
     check_tree_against_sequential_paths(model, prompt, tokens, DEEP_PARENTS, cache_kind)
 
 
@@ -468,7 +495,7 @@ def test_sliding_window_regression_gemma2_binary_tree(cache_kind):
     model = Gemma2ForCausalLM(config).eval()
     model.set_attn_implementation("tree_attn")
     parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, 100)])
-    tokens = torch.randint(3, VOCAB, (100,), generator=torch.Generator().manual_seed(61))
+    tokens = randint((100,), torch.Generator().manual_seed(61))
     prompt, _ = prompt_and_padding(1, 7, (0,), seed=61)
     check_tree_against_sequential_paths(model, prompt, tokens, parents, cache_kind)
 
@@ -479,7 +506,7 @@ def test_plain_forward_and_decoding_match_eager(kind):
     decoding steps, give eager's logits."""
     model = model_for(kind)
     prompt, padding = prompt_and_padding(2, 9, (0, 3), seed=41)
-    steps = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(41))
+    steps = randint((2, 2), torch.Generator().manual_seed(41))
     results = {}
     for impl in ("tree_attn", "eager"):
         model.set_attn_implementation(impl)
@@ -713,7 +740,7 @@ def test_greedy_generation_matches_reference(kind, cache_implementation):
 def test_ordinary_forward_logits_match_sdpa_with_user_4d_mask():
     """A dense 4D mask passed the usual way reaches the op unchanged."""
     model = model_for("qwen3")
-    tokens = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    tokens = randint((2, 6), torch.Generator().manual_seed(5))
     keep = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
     keep[1, :, :, 0] = False
     keep[1, :, 0, 0] = True
@@ -758,7 +785,7 @@ def test_compiled_verify_steps_static_cache_no_graph_break_no_recompile(kind):
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         for step, accepted in enumerate([3, 1, 4]):
             anc = ancestor_mask(PARENTS[step % 2][None])
-            tokens = torch.randint(3, VOCAB, (batch, tree_len), generator=generator)
+            tokens = randint((batch, tree_len), generator)
             inputs = dict(
                 input_ids=tokens,
                 position_ids=prefix_len + anc.sum(-1) - 1,

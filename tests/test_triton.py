@@ -58,7 +58,14 @@ def test_heuristics():
     plan = heur.choose(128, True, 256, 8, 16384 + 64, 132)
     assert plan.row_blocks * plan.block_m >= 256 and plan.kv_reads == plan.row_blocks
     assert 1 < plan.num_splits <= heur.MAX_SPLITS
-    assert plan.row_blocks * 8 * plan.num_splits >= 132, "the grid must fill the GPU"
+    programs = plan.row_blocks * 8 * plan.num_splits
+    assert programs <= 132 * heur.PROGRAMS_PER_SM or programs >= 2 * 132 * heur.PROGRAMS_PER_SM * 0.9, \
+        "a split count that leaves a nearly empty last wave"
+    # The split model's choice is its minimum, the smallest split count reaching it.
+    for tiles, progs in [(257, 32), (17, 32), (1025, 16), (3, 1), (1, 8)]:
+        costs = {s: heur.makespan(tiles, progs, 132, s) for s in range(1, min(heur.MAX_SPLITS, tiles) + 1)}
+        best = min(costs.values())
+        assert heur.choose_splits(tiles, progs, 132) == min(s for s, c in costs.items() if c == best)
     # Short keys: no split (no reduce pass).
     assert heur.choose(128, True, 256, 8, 100, 132).num_splits == 1
     # Many programs already: no split.
@@ -68,6 +75,8 @@ def test_heuristics():
     assert heur.choose(96, False, 10, 1, 10, 132).block_d == 128
     for (D, kind), (bm, bn, warps, stages) in heur.CONFIGS.items():
         assert D in (64, 96, 128, 256, 512) and kind in ("half", "f32") and bm >= 16 and bn >= 16
+        plan = heur.choose(D, kind == "half", 4096, 1, 100, 132)
+        assert plan.window_n >= 16 and plan.block_n % plan.window_n == 0
     assert heur.choose(64, True, 50, 1, 10000, 132, num_splits=5).num_splits == 5
 
 
@@ -116,7 +125,7 @@ def test_kernels_compile_for_sm90(variant):
     bm, bn, warps, stages = heur.CONFIGS[(D, "half" if half else "f32")]
     ptrs = dict(Q=f"*{qt}", K=f"*{kvt}", V=f"*{kvt}", MASK="*fp32" if mask_float else "*u8", OFF="*i32", SINK="*fp32",
                 OUT=f"*{qt}", LSE="*fp32", PO="*fp32", PM="*fp32", PL="*fp32")
-    const = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=heur._next_pow2(D), SPLIT=split, HAS_OFF=True, HAS_SINK=sinks,
+    const = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=heur._next_pow2(D), WINDOW_N=min(heur.WINDOW_N, bn), SPLIT=split, HAS_OFF=True, HAS_SINK=sinks,
                  MASK_FLOAT=mask_float, HAS_SOFTCAP=softcap, HALF_DOT=half, UPCAST=False)
     try:
         kernel = _aot_compile(tb._tree_attn_main, ptrs, const, warps, stages)

@@ -25,8 +25,7 @@ from . import _C
 from . import triton_heuristics as heur
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 
 
 @triton.jit
@@ -59,14 +58,26 @@ def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile into the running state (m_i, l_i, acc) of each row: s are the tile's
-    final scores in base 2 (-inf where unseen), v its value rows. A row that has seen no key
-    keeps m = -inf and subtracts 0, so every exponent is exp2(-inf) = 0, never NaN."""
+def _online_softmax_step(s, v, m_i, l_i, acc, ALL_SEEN: tl.constexpr, HALF_DOT: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """One key tile into the running state (m_i, l_i, acc) of each row, all in natural log
+    units: s are the tile's final scores, v its value rows.
+
+    ALL_SEEN (prefix tiles): every row sees every key, so a non-finite score must poison its
+    row, and it does so by propagation, at one FMA per score: p + 0 * s is p for a finite s
+    and NaN for NaN or +-inf, so l_i (and the row's acc) become NaN and stay NaN, and the
+    epilogue's finiteness test of l_i and acc poisons the row. The max needs no care: a
+    NaN or +inf there only changes a row that is poisoned anyway.
+    Otherwise (window tiles) unseen and bad entries are -inf by selection and p is exactly 0
+    there. A row that has seen no key keeps m = -inf and subtracts 0, so every exponent is
+    exp2(-inf) = 0, never NaN. exp2 of (s - m) * log2(e): s - m <= 0 cannot overflow where
+    s * log2(e) could."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2((s - m_use[:, None]) * LOG2E)
+    if ALL_SEEN:
+        p = p + s * 0.0
+    alpha = tl.exp2((m_i - m_use) * LOG2E)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p, v, HALF_DOT, UPCAST)
     return m_new, l_i, acc
@@ -74,26 +85,26 @@ def _online_softmax_step(s, v, m_i, l_i, acc, HALF_DOT: tl.constexpr, UPCAST: tl
 
 @triton.jit
 def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, HAS_SINK: tl.constexpr):
-    """(out float32 [rows, D], lse [rows]) of rows whose online softmax state, in base 2,
-    is (acc, m_i, l_i): sinks join here, poisoned rows become NaN, rows that see no key
-    give 0 and lse -inf (or their sink, exactly)."""
+    """(out float32 [rows, D], lse [rows]) of rows whose online softmax state, in natural
+    log units, is (acc, m_i, l_i): sinks join here, poisoned rows become NaN, rows that see
+    no key give 0 and lse -inf (or their sink, exactly)."""
     seen_any = l_i > 0
-    keys_lse2 = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    keys_lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
     if HAS_SINK:
         sink = tl.load(sink_ptr + h, mask=row_ok, other=float("-inf"))
         poison = poison | ((sink != sink) | (sink == float("inf"))).to(tl.int32)
-        sink2 = tl.where(sink == sink, sink, float("-inf")) * 1.4426950408889634
-        hi = tl.maximum(keys_lse2, sink2)
-        lo = tl.minimum(keys_lse2, sink2)
+        sink_f = tl.where(sink == sink, sink, float("-inf"))
+        hi = tl.maximum(keys_lse, sink_f)
+        lo = tl.minimum(keys_lse, sink_f)
         hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
-        lse2 = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log2(1.0 + tl.exp2(lo - hi_safe)))
-        lse2_safe = tl.where(lse2 == float("-inf"), 0.0, lse2)
-        weight = tl.where(seen_any, tl.exp2(m_i - lse2_safe), 0.0)
-        # A row that sees no key: lse is the sink exactly (no base-2 round trip).
-        lse = tl.where(seen_any, lse2 * 0.6931471805599453, sink)
+        lse = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log(1.0 + tl.exp(lo - hi_safe)))
+        lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+        weight = tl.where(seen_any, tl.exp(m_i - lse_safe), 0.0)
+        # A row that sees no key: lse is the sink exactly.
+        lse = tl.where(seen_any, lse, sink)
     else:
         weight = tl.where(seen_any, 1.0 / tl.where(seen_any, l_i, 1.0), 0.0)
-        lse = keys_lse2 * 0.6931471805599453
+        lse = keys_lse
     out = acc * weight[:, None]
     bad = poison != 0
     out = tl.where(bad[:, None], float("nan"), out)
@@ -110,7 +121,7 @@ def _tree_attn_main(
     Hkv, G, T, S, M, R, total_rows, num_splits,
     scale, softcap,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
+    WINDOW_N: tl.constexpr, SPLIT: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
     MASK_FLOAT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Main pass. A program owns BLOCK_M rows of one (batch row b, kv head) -- rows r of a
@@ -168,56 +179,65 @@ def _tree_attn_main(
     qk_scale = scale
 
     # --- prefix tiles: every key < off <= S, every row sees every key ------------------
+    # Addresses: an int64 scalar base per tile plus int32 offsets inside it (the launcher
+    # checks BLOCK_N * key-row stride fits int32), so a tile's pointers cost no 64-bit
+    # arithmetic per element.
+    n_ar = tl.arange(0, BLOCK_N)
+    k_in_tile = n_ar[:, None] * sk2 + d[None, :]
+    v_in_tile = n_ar[:, None] * sv2 + d[None, :]
     for t in range(t_lo, tl.minimum(t_hi, n_prefix)):
-        keys = (t * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k = tl.load(k_base + keys[:, None] * sk2 + d[None, :], mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_base + keys[:, None] * sv2 + d[None, :], mask=d_ok[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
-        s = s * qk_scale
-        bad = _not_finite(s)              # NaN or +-inf raw score (before the softcap)
-        poison = poison | tl.max(bad.to(tl.int32), axis=1)
+        key0 = tl.cast(t, tl.int64) * BLOCK_N
+        k = tl.load(k_base + key0 * sk2 + k_in_tile, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_base + key0 * sv2 + v_in_tile, mask=d_ok[None, :], other=0.0)
+        s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * qk_scale
         if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = tl.where(bad, float("-inf"), s * 1.4426950408889634)
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, HALF_DOT, UPCAST)
+            # tanh saturates an infinite raw score: 0 * raw keeps it poisoning (NaN).
+            s = softcap * _tanh(s / softcap) + s * 0.0
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
 
     # --- window tiles: keys [n_prefix * BLOCK_N, kend), the mask decides ----------------
+    # In sub-tiles of WINDOW_N keys: the mask, its selections and the poison tests are
+    # [BLOCK_M, WINDOW_N], which keeps the kernel's register peak at the prefix loop's.
+    w_ar = tl.arange(0, WINDOW_N)
+    kw_in_tile = w_ar[:, None] * sk2 + d[None, :]
+    vw_in_tile = w_ar[:, None] * sv2 + d[None, :]
     for t in range(tl.maximum(t_lo, n_prefix), t_hi):
-        keys = (t * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        in_range = keys < kend
-        in_win = (keys >= off) & in_range
-        col = keys - off
-        win2 = row_ok[:, None] & in_win[None, :]
-        if MASK_FLOAT:
-            bias = tl.load(m_base + col[None, :] * sm3, mask=win2, other=float("-inf"))
-            seen_w = win2 & (bias != float("-inf"))         # a NaN bias is seen
-        else:
-            mb = tl.load(m_base + col[None, :] * sm3, mask=win2, other=0)
-            seen_w = win2 & (mb != 0)
-        seen = seen_w | (row_ok[:, None] & (keys < off)[None, :])
-        if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
-            kv_ok = in_range[:, None] & d_ok[None, :]
-            k = tl.load(k_base + keys[:, None] * sk2 + d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(v_base + keys[:, None] * sv2 + d[None, :], mask=kv_ok, other=0.0)
-            s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
-            s = s * qk_scale
-            bad = seen & _not_finite(s)
+        for u in range(BLOCK_N // WINDOW_N):
+            key0 = tl.cast(t, tl.int64) * BLOCK_N + u * WINDOW_N
+            keys = key0 + w_ar
+            in_range = keys < kend
+            in_win = (keys >= off) & in_range
+            col = keys - off
+            win2 = row_ok[:, None] & in_win[None, :]
             if MASK_FLOAT:
-                bad = bad | (seen_w & ((bias != bias) | (bias == float("inf"))))
-            vf = v.to(tl.float32)
-            v_bad = tl.max(_not_finite(vf).to(tl.int32), axis=1) != 0   # per key
-            bad = bad | (seen & v_bad[None, :])
-            poison = poison | tl.max(bad.to(tl.int32), axis=1)
-            if HAS_SOFTCAP:
-                s = softcap * _tanh(s / softcap)
-            if MASK_FLOAT:
-                s = s + tl.where(seen_w, bias, 0.0)
-            s = tl.where(seen & ~bad, s * 1.4426950408889634, float("-inf"))
-            v = tl.where(v_bad[:, None], 0.0, v).to(v.dtype)
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, HALF_DOT, UPCAST)
+                bias = tl.load(m_base + col[None, :] * sm3, mask=win2, other=float("-inf"))
+                seen_w = win2 & (bias != float("-inf"))         # a NaN bias is seen
+            else:
+                mb = tl.load(m_base + col[None, :] * sm3, mask=win2, other=0)
+                seen_w = win2 & (mb != 0)
+            seen = seen_w | (row_ok[:, None] & (keys < off)[None, :])
+            if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
+                kv_ok = in_range[:, None] & d_ok[None, :]
+                k = tl.load(k_base + key0 * sk2 + kw_in_tile, mask=kv_ok, other=0.0)
+                v = tl.load(v_base + key0 * sv2 + vw_in_tile, mask=kv_ok, other=0.0)
+                s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * qk_scale
+                bad = seen & _not_finite(s)
+                if MASK_FLOAT:
+                    bad = bad | (seen_w & ((bias != bias) | (bias == float("inf"))))
+                v_bad = tl.max(_not_finite(v).to(tl.int32), axis=1) != 0   # per key
+                bad = bad | (seen & v_bad[None, :])
+                poison = poison | tl.max(bad.to(tl.int32), axis=1)
+                if HAS_SOFTCAP:
+                    s = softcap * _tanh(s / softcap)
+                if MASK_FLOAT:
+                    s = s + tl.where(seen_w, bias, 0.0)
+                s = tl.where(seen & ~bad, s, float("-inf"))
+                v = tl.where(v_bad[:, None], 0.0, v).to(v.dtype)
+                m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, False, HALF_DOT, UPCAST)
 
-    # A non-finite prefix V reaches acc (through P.V, also as 0 * NaN): it poisons here.
-    poison = poison | tl.max(_not_finite(acc).to(tl.int32), axis=1)
+    # A non-finite prefix score reaches l_i and acc, a non-finite prefix V reaches acc
+    # (through P.V, also as 0 * NaN): they poison here.
+    poison = poison | _not_finite(l_i).to(tl.int32) | tl.max(_not_finite(acc).to(tl.int32), axis=1)
     flat = bh.to(tl.int64) * R + rows    # row of the [B, Hq, T] output, = (b*Hkv + kvh)*R + r
     io_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
@@ -237,7 +257,7 @@ def _tree_attn_reduce(
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Reduce pass (only when the keys are split): a program owns BLOCK_R output rows and
-    merges their num_splits partials (unnormalised O, base-2 max m, sum l; m = NaN marks a
+    merges their num_splits partials (unnormalised O, max m, sum l; m = NaN marks a
     poisoned split) in split order: deterministic, no atomics. Reads each partial once."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < total_rows
@@ -256,7 +276,8 @@ def _tree_attn_reduce(
         part = sp * total_rows + rows
         m_s = tl.load(PM + part, mask=row_ok, other=float("-inf"))
         l_s = tl.load(PL + part, mask=row_ok, other=0.0)
-        w = tl.where(m_s == m_s, tl.exp2(tl.where(m_s == m_s, m_s, float("-inf")) - m_use), 0.0)
+        w = tl.where(m_s == m_s, tl.exp2((tl.where(m_s == m_s, m_s, float("-inf")) - m_use) * LOG2E),
+                     0.0)
         o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=io_mask, other=0.0)
         l_i += l_s * w
         acc += o_s * w[:, None]
@@ -291,6 +312,12 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
     total_rows = B * Hq * T
     half_dot = q.dtype != torch.float32
     plan = heur.choose(D, half_dot, R, B * Hkv, S, _num_sms(device), num_splits=num_splits, config=config)
+    # The kernel addresses inside a key tile with int32 offsets (n * key-row stride + d).
+    # A cache whose key rows lie too far apart for that is read from a contiguous copy.
+    if (plan.block_n - 1) * max(skk[2], sv[2]) + plan.block_d >= 2**31:
+        k, v = k.contiguous(), v.contiguous()
+        skk = [0 if k.size(i) == 1 else k.stride(i) for i in range(4)]
+        sv = [0 if v.size(i) == 1 else v.stride(i) for i in range(4)]
     # Empty tensors may have no valid address; they are never dereferenced (no key, no window).
     dummy = out
     if not mask_float:
@@ -311,7 +338,7 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
         sq[0], sq[1], sq[2], skk[0], skk[1], skk[2], sv[0], sv[1], sv[2], sm[0], sm[1], sm[2], sm[3],
         Hkv, G, T, S, M, R, total_rows, plan.num_splits,
         scale_f, cap if cap is not None else 1.0,
-        D=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        D=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, WINDOW_N=plan.window_n,
         SPLIT=plan.num_splits > 1, HAS_OFF=off is not None, HAS_SINK=sk is not None,
         MASK_FLOAT=bool(mask_float), HAS_SOFTCAP=cap is not None, HALF_DOT=half_dot,
         UPCAST=INTERPRETING, num_warps=plan.num_warps, num_stages=plan.num_stages,

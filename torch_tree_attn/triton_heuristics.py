@@ -29,11 +29,17 @@ CONFIGS = {
     (512, "f32"): (16, 16, 8, 1),
 }
 
-# Flash-decoding splits: aim at TARGET_WAVES programs per SM, give each split at least
-# MIN_TILES_PER_SPLIT key tiles, never more than MAX_SPLITS splits (the reduce kernel reads
-# every split's partial). PLACEHOLDERS: not tuned yet.
-TARGET_WAVES = 2
-MIN_TILES_PER_SPLIT = 4
+# Flash-decoding splits, from a makespan model in units of one key tile's work:
+#   waves(s) * (ceil(tiles / s) + PROGRAM_OVERHEAD_TILES) + [s > 1] * REDUCE_COST_TILES
+# with waves(s) = ceil(programs(s) / (SMs * PROGRAMS_PER_SM)); the smallest s reaching the
+# minimum wins (fewer partials). Only when the rows alone leave SMs idle. At most MAX_SPLITS splits (the reduce kernel reads every
+# split's partial). PLACEHOLDERS until tuned.
+PROGRAMS_PER_SM = 1
+# Window tiles (where the mask applies) are processed WINDOW_N keys at a time (>= 16 for
+# tl.dot): their masks and selections then need few registers.
+WINDOW_N = 16
+PROGRAM_OVERHEAD_TILES = 2.0
+REDUCE_COST_TILES = 4.0
 MAX_SPLITS = 64
 # The reduce kernel's rows per program.
 REDUCE_BLOCK_ROWS = 16
@@ -44,6 +50,7 @@ class Plan:
     block_m: int
     block_n: int
     block_d: int
+    window_n: int        # keys per step on window tiles (divides block_n)
     num_warps: int
     num_stages: int
     row_blocks: int      # programs along the rows of a kv head: ceil(G*T / block_m)
@@ -73,12 +80,30 @@ def choose(D: int, half_dot: bool, rows_per_head: int, batch_heads: int, S: int,
     block_m = max(16, min(block_m, _next_pow2(rows_per_head)))
     row_blocks = _cdiv(rows_per_head, block_m)
     if num_splits is None:
-        programs = row_blocks * batch_heads
-        by_occupancy = _cdiv(TARGET_WAVES * num_sms, programs) if programs < TARGET_WAVES * num_sms else 1
-        by_length = max(1, _cdiv(S, block_n) // MIN_TILES_PER_SPLIT)
-        num_splits = max(1, min(by_occupancy, by_length, MAX_SPLITS))
-    return Plan(block_m=block_m, block_n=block_n, block_d=_next_pow2(D), num_warps=num_warps,
+        num_splits = choose_splits(_cdiv(S, block_n), row_blocks * batch_heads, num_sms)
+    return Plan(block_m=block_m, block_n=block_n, block_d=_next_pow2(D), window_n=min(WINDOW_N, block_n),
+                num_warps=num_warps,
                 num_stages=num_stages, row_blocks=row_blocks, num_splits=int(num_splits))
+
+
+def makespan(tiles: int, programs: int, num_sms: int, splits: int) -> float:
+    """The split model's cost of `splits` key splits, in key-tile units (see above)."""
+    waves = _cdiv(programs * splits, num_sms * PROGRAMS_PER_SM)
+    return waves * (_cdiv(tiles, splits) + PROGRAM_OVERHEAD_TILES) + (REDUCE_COST_TILES if splits > 1 else 0.0)
+
+
+def choose_splits(tiles: int, programs: int, num_sms: int) -> int:
+    """Key splits for `tiles` key tiles per row block and `programs` programs per split.
+    No split when the rows alone fill every SM: splitting then only adds partials to write and
+    reduce (whose cost grows with the split count, which the model leaves out): 1 then."""
+    if programs >= num_sms * PROGRAMS_PER_SM:
+        return 1
+    best, best_cost = 1, makespan(tiles, programs, num_sms, 1)
+    for splits in range(2, min(MAX_SPLITS, max(1, tiles)) + 1):
+        cost = makespan(tiles, programs, num_sms, splits)
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 @functools.lru_cache(maxsize=None)
