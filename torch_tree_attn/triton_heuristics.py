@@ -17,10 +17,10 @@ from typing import Optional
 
 # (D, dot kind) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). PLACEHOLDERS: not tuned yet.
 CONFIGS = {
-    (64, "half"): (64, 64, 4, 3),
-    (96, "half"): (64, 64, 4, 3),
-    (128, "half"): (64, 64, 4, 3),
-    (256, "half"): (64, 32, 8, 2),
+    (64, "half"): (128, 64, 8, 2),
+    (96, "half"): (128, 64, 8, 2),
+    (128, "half"): (128, 64, 8, 2),
+    (256, "half"): (64, 64, 8, 3),
     (512, "half"): (32, 32, 8, 1),
     (64, "f32"): (32, 32, 4, 2),
     (96, "f32"): (32, 32, 4, 2),
@@ -31,10 +31,13 @@ CONFIGS = {
 
 # Flash-decoding splits, from a makespan model in units of one key tile's work:
 #   waves(s) * (ceil(tiles / s) + PROGRAM_OVERHEAD_TILES) + [s > 1] * REDUCE_COST_TILES
-# with waves(s) = ceil(programs(s) / (SMs * PROGRAMS_PER_SM)); the smallest s reaching the
+# with waves(s) = ceil(programs(s) / (SMs * programs per SM)); the smallest s reaching the
 # minimum wins (fewer partials). Only when the rows alone leave SMs idle. At most MAX_SPLITS splits (the reduce kernel reads every
 # split's partial). PLACEHOLDERS until tuned.
-PROGRAMS_PER_SM = 1
+# Programs resident per SM: the kernels use all 255 registers a thread may have (ptxas,
+# sm_90a), so registers decide: 65536 per SM / (threads per program * 255).
+REGISTERS_PER_SM = 65536
+REGISTERS_PER_THREAD = 255
 # Window tiles (where the mask applies) are processed WINDOW_N keys at a time (>= 16 for
 # tl.dot): their masks and selections then need few registers.
 WINDOW_N = 16
@@ -80,27 +83,31 @@ def choose(D: int, half_dot: bool, rows_per_head: int, batch_heads: int, S: int,
     block_m = max(16, min(block_m, _next_pow2(rows_per_head)))
     row_blocks = _cdiv(rows_per_head, block_m)
     if num_splits is None:
-        num_splits = choose_splits(_cdiv(S, block_n), row_blocks * batch_heads, num_sms)
+        num_splits = choose_splits(_cdiv(S, block_n), row_blocks * batch_heads, num_sms, programs_per_sm(num_warps))
     return Plan(block_m=block_m, block_n=block_n, block_d=_next_pow2(D), window_n=min(WINDOW_N, block_n),
                 num_warps=num_warps,
                 num_stages=num_stages, row_blocks=row_blocks, num_splits=int(num_splits))
 
 
-def makespan(tiles: int, programs: int, num_sms: int, splits: int) -> float:
+def programs_per_sm(num_warps: int) -> int:
+    return max(1, REGISTERS_PER_SM // (num_warps * 32 * REGISTERS_PER_THREAD))
+
+
+def makespan(tiles: int, programs: int, num_sms: int, splits: int, per_sm: int = 1) -> float:
     """The split model's cost of `splits` key splits, in key-tile units (see above)."""
-    waves = _cdiv(programs * splits, num_sms * PROGRAMS_PER_SM)
+    waves = _cdiv(programs * splits, num_sms * per_sm)
     return waves * (_cdiv(tiles, splits) + PROGRAM_OVERHEAD_TILES) + (REDUCE_COST_TILES if splits > 1 else 0.0)
 
 
-def choose_splits(tiles: int, programs: int, num_sms: int) -> int:
+def choose_splits(tiles: int, programs: int, num_sms: int, per_sm: int = 1) -> int:
     """Key splits for `tiles` key tiles per row block and `programs` programs per split.
     No split when the rows alone fill every SM: splitting then only adds partials to write and
     reduce (whose cost grows with the split count, which the model leaves out): 1 then."""
-    if programs >= num_sms * PROGRAMS_PER_SM:
+    if programs >= num_sms * per_sm:
         return 1
-    best, best_cost = 1, makespan(tiles, programs, num_sms, 1)
+    best, best_cost = 1, makespan(tiles, programs, num_sms, 1, per_sm)
     for splits in range(2, min(MAX_SPLITS, max(1, tiles)) + 1):
-        cost = makespan(tiles, programs, num_sms, splits)
+        cost = makespan(tiles, programs, num_sms, splits, per_sm)
         if cost < best_cost:
             best, best_cost = splits, cost
     return best
