@@ -547,6 +547,78 @@ def test_counters_of_simd_collectives_and_matrix_transfers():
 
 
 # ---------------------------------------------------------------------------------------------
+# Function constants
+# ---------------------------------------------------------------------------------------------
+def launch_with_constants(constants, x):
+    out = torch.full_like(x, float("nan"))
+    torch.ops.tree_attn_sim.launch("selftest_function_constants", [1], [x.numel()], [], [x, out], constants)
+    return out
+
+
+@pytest.mark.parametrize("constants, expected", [
+    (["0:uint=3", "1:bool=true", "2:float=0.25", "3:half=1.5"], lambda x: x * 3 + 0.25 + 1.5),
+    (["0:uint=3", "1:bool=false", "2:float=0.25", "3:half=1.5"], lambda x: x * 3 + 1.5),
+    # No bias given: is_function_constant_defined(bias) is false and bias is never read.
+    (["0:uint=7", "1:bool=true", "3:half=-2"], lambda x: x * 7 - 2),
+    # A half constant is rounded to half: 0.1 -> 0.0999755859375.
+    (["3:half=0.1", "0:uint=1", "1:bool=false", "7:ushort=5"], lambda x: x + 0.0999755859375),
+])
+def test_function_constants_specialise_the_kernel(constants, expected):
+    x = exact_values(64, seed=3)
+    out = launch_with_constants(constants, x)
+    torch.testing.assert_close(out.double(), expected(x.double()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("constants, message", [
+    (["1:bool=true", "3:half=0"], r"function constant 'scale' \[\[function_constant\(0\)\]\] is used but the launch "
+                                  r"gives it no value .* at threadgroup \(0,0,0\), thread \(0,0,0\)"),
+    (["0:uint=1", "3:half=0"], r"function constant 'use_bias' \[\[function_constant\(1\)\]\] is used"),
+    (["0:float=1"], r"function constant index 0 is given as float, but 'scale' is declared uint"),
+    (["5:uint=1"], r"function constant index 5 \(uint\) is given, but tests/sim/csrc/selftest/function_constants.metal "
+                   r"declares no \[\[function_constant\(5\)\]\]; it declares: scale \(0, uint\), use_bias \(1, bool\)"),
+    (["0:uint=1", "0:uint=2"], r"function constant index 0 is given twice"),
+    (["0:uint=-1"], r"'0:uint=-1': value is not a uint"),
+    (["0=uint:1"], r"is not written index:type=value"),
+])
+def test_function_constant_errors(constants, message):
+    with pytest.raises((RuntimeError, ValueError), match=message) as info:
+        launch_with_constants(constants, torch.zeros(32))
+    if "given" in message:
+        assert "kernel 'selftest_function_constants'" in str(info.value)
+
+
+def test_a_kernel_without_function_constants_rejects_values():
+    with pytest.raises(RuntimeError, match=r"declares no \[\[function_constant\(0\)\]\]; it declares: none"):
+        torch.ops.tree_attn_sim.launch("selftest_copy", [1], [32], [], [torch.zeros(32), torch.zeros(32)], ["0:uint=1"])
+
+
+def test_translation_of_function_constants():
+    cpp = translate("constant uint n [[function_constant(4)]];\n"
+                    "constant bool has_n = is_function_constant_defined(n);\n"
+                    "constant uint plain = 3;\n"
+                    "kernel void f(device float* x [[buffer(0)]], constant uint& m [[buffer(1)]]) { x[0] = has_n ? n : m; }\n")
+    assert 'static constexpr ::metal::detail::function_constant<uint> n{0, 4, "n"};' in cpp
+    assert "static const ::metal::detail::function_constant_expr<bool>  has_n {+[]() -> bool { return bool( " \
+           "is_function_constant_defined(n)); }};" in cpp
+    assert "static const uint plain = 3;" in cpp
+    assert '{"n", 4, ::metal::detail::function_constant_type<uint>()}' in cpp
+    assert "tree_attn_sim_function_constants, 1}" in cpp
+
+
+@pytest.mark.parametrize("source, message", [
+    ("constant float2 v [[function_constant(0)]];\n", r"type 'float2' is not supported"),
+    ("constant uint a [[function_constant(0)]];\nconstant uint b [[function_constant(0)]];\n",
+     r"'a' and 'b' share \[\[function_constant\(0\)\]\]"),
+    ("constant uint a [[function_constant(0)]] = 3;\n", r"no initializer"),
+    ("constant uint a [[function_constant(x)]];\n", r"with an integer index"),
+    ("kernel void f(device float* x [[buffer(0), function_constant(has_x)]]) {}\n", r"unsupported parameter attribute"),
+])
+def test_translator_rejects_bad_function_constants(source, message):
+    with pytest.raises(msl2cpp.TranslationError, match=message):
+        translate(source)
+
+
+# ---------------------------------------------------------------------------------------------
 # The translator
 # ---------------------------------------------------------------------------------------------
 KERNEL_PREFIX = "#include <metal_stdlib>\nusing namespace metal;\n"

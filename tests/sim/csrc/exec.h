@@ -94,9 +94,17 @@ struct OpCounters {
   uint64_t simdgroup_mmas = 0, scalar_fmas = 0, shuffles = 0;
 };
 
+// The value of one of the kernel's function constants in the current launch (slot = its
+// position in the translated file's table).
+struct ConstantSlot {
+  bool defined = false;
+  alignas(8) unsigned char bytes[8] = {};
+};
+
 struct ThreadCtx {
   Worker* worker = nullptr;
   OpCounters* counters = nullptr;  // the worker's
+  const ConstantSlot* constants = nullptr;  // the launch's, by slot
   // Threadgroup-memory race detection, for the inline fast path of loads (msl.h).
   TgShadow* tg_shadow = nullptr;
   uintptr_t tg_arena = 0;
@@ -166,5 +174,7 @@ void device_load_track(uintptr_t addr, size_t size);
 [[noreturn]] void device_fault(const BufferState* buf, uintptr_t addr, size_t size, const char* access);
 [[noreturn]] void threadgroup_fault(const TgRegion& region, uintptr_t addr, size_t size, const char* what);
 [[noreturn]] void simd_fault(const char* message);
+// A function constant used without a value (the launch gave none for its index).
+[[noreturn]] void function_constant_undefined(const char* name, uint32_t index);
 
 }  // namespace tree_attn::sim::detail

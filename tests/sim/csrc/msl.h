@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "exec.h"
+#include "metal/function_constant.h"
 
 namespace metal {
 
@@ -1506,6 +1507,73 @@ void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA
 }
 #undef TREE_ATTN_SIM_SITE
 
+
+// ---------------------------------------------------------------------------------------------
+// Function constants (MSL §5.8.1): `constant T name [[function_constant(i)]];` becomes a
+// function_constant<T> that reads the launch's value at each use (the simulator has one
+// compiled kernel for every specialisation, so the value is not a compile-time constant: a use
+// where C++ needs one, such as an array size or a template argument, does not compile). Using
+// one the launch gave no value is a fault naming it; is_function_constant_defined() tests it.
+// A program-scope constant computed from function constants is a function_constant_expr<T>,
+// recomputed at each use.
+// ---------------------------------------------------------------------------------------------
+namespace detail {
+template <class T> constexpr tree_attn::FunctionConstantType function_constant_type() {
+  using tree_attn::FunctionConstantType;
+  if constexpr (std::is_same_v<T, bool>) return FunctionConstantType::Bool;
+  else if constexpr (std::is_same_v<T, char> || std::is_same_v<T, signed char>) return FunctionConstantType::Char;
+  else if constexpr (std::is_same_v<T, uchar>) return FunctionConstantType::UChar;
+  else if constexpr (std::is_same_v<T, short>) return FunctionConstantType::Short;
+  else if constexpr (std::is_same_v<T, ushort>) return FunctionConstantType::UShort;
+  else if constexpr (std::is_same_v<T, int>) return FunctionConstantType::Int;
+  else if constexpr (std::is_same_v<T, uint>) return FunctionConstantType::UInt;
+  else if constexpr (std::is_same_v<T, half>) return FunctionConstantType::Half;
+  else if constexpr (std::is_same_v<T, float>) return FunctionConstantType::Float;
+  else static_assert(sizeof(T) == 0, "function constants are bool, char, uchar, short, ushort, int, uint, half or float");
+}
+
+template <class T> class function_constant {
+ public:
+  static_assert(sizeof(T) <= sizeof(tree_attn::sim::detail::ConstantSlot::bytes));
+  constexpr function_constant(uint32_t slot, uint32_t index, const char* name) : slot_(slot), index_(index), name_(name) {}
+  function_constant(const function_constant&) = delete;
+
+  operator T() const {
+    const tree_attn::sim::detail::ConstantSlot& s = slot();
+    if (!s.defined) tree_attn::sim::detail::function_constant_undefined(name_, index_);
+    T v;
+    std::memcpy(&v, s.bytes, sizeof(T));
+    return v;
+  }
+  // half and bfloat reach float in one conversion, as a half variable does.
+  template <class U = T>
+    requires is_lowp_v<U>
+  operator float() const {
+    return float(T(*this));
+  }
+  bool defined() const { return slot().defined; }
+
+ private:
+  const tree_attn::sim::detail::ConstantSlot& slot() const {
+    return tree_attn::sim::detail::current_thread()->constants[slot_];
+  }
+  uint32_t slot_, index_;
+  const char* name_;
+};
+
+template <class T> class function_constant_expr {
+ public:
+  using Fn = T (*)();
+  explicit constexpr function_constant_expr(Fn f) : f_(f) {}
+  function_constant_expr(const function_constant_expr&) = delete;
+  operator T() const { return f_(); }
+
+ private:
+  Fn f_;
+};
+}  // namespace detail
+
+template <class T> bool is_function_constant_defined(const detail::function_constant<T>& c) { return c.defined(); }
 }  // namespace metal
 
 // MSL spellings of constants and qualifiers the C++ headers do not provide.

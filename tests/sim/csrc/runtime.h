@@ -12,7 +12,11 @@
 #include <utility>
 #include <vector>
 
+#include "metal/function_constant.h"
+
 namespace tree_attn::sim {
+
+using ::tree_attn::FunctionConstant;
 
 struct Binding {  // one [[buffer(i)]]
   // A device buffer: base of the whole allocation (e.g. tensor.storage().data()), its length in
@@ -31,6 +35,10 @@ struct LaunchDesc {
   std::array<uint32_t, 3> threads{1, 1, 1};  // threads per threadgroup
   std::map<int, size_t> threadgroup_memory;  // [[threadgroup(i)]] -> bytes (multiple of 16)
   std::map<int, Binding> buffers;            // [[buffer(i)]] -> binding
+  // Function-constant values (MTLFunctionConstantValues). Each must match, by index and
+  // type, a [[function_constant]] of the kernel's file; a constant the kernel uses without a
+  // value is a fault when it is used.
+  std::vector<FunctionConstant> constants;
 };
 
 // What a launch did, summed over all its threads. Exact counts, no cache or hardware model.

@@ -95,6 +95,7 @@ std::vector<LaunchRecord> run_plan(const Prepared& in, const Plan& plan, at::Ten
     desc.grid = launch.grid;
     desc.threads = launch.threads;
     if (launch.threadgroup_memory_bytes) desc.threadgroup_memory[0] = launch.threadgroup_memory_bytes;
+    desc.constants = launch.constants;
     for (const BufferBinding& b : launch.buffers) {
       sim::Binding binding;
       if (b.role == BufferRole::Params) {
