@@ -182,6 +182,12 @@ def test_rewrite_keeps_lines_and_moves_instantiation_attributes():
     out, _ = msl.rewrite("float4 a = float4(h), b = float4(f(x, y)), c = float4(), d = half2(p[0], q);")
     assert "__metal_vector_convert<float4>(h)" in out and "__metal_vector_convert<float4>(f(x, y))" in out
     assert "float4()" in out and "(half2)(p[0], q)" in out
+    out, errors = msl.rewrite('template <typename T> kernel void k(device T* p [[buffer(0)]]) {}\n'
+                              'template [[host_name("k_f32")]] kernel void k<float>(device float* p [[buffer(0)]]);\n'
+                              'kernel void plain() {} // kernel\n')
+    assert errors == []
+    assert "template <typename T> [[kernel]] void k(" in out and "[[kernel]] void plain()" in out
+    assert 'void k<float> [[host_name("k_f32")]] [[kernel]] (' in out and "// kernel" in out
     _, errors = msl.rewrite(src.replace('[[host_name("k_f32")]] ', ""))
     assert len(errors) == 1 and ":2: error: explicit instantiation of kernel 'k'" in errors[0]
 

@@ -16,6 +16,8 @@ name from the same word in type position, nor move tokens). The driver rewrites 
 copy in a temporary folder (`#line 1` names the original file, no edit adds or removes a
 line, so every diagnostic points at the real file and line; columns may shift) and
 changes nothing else:
+  0. MSL's function qualifier `kernel void f(...)` is spelt as the attribute `[[kernel]]
+     void f(...)`, which MSL accepts too (`kernel` is OpenCL's keyword).
   1. Attributes on an explicit instantiation, `template [[host_name("x")]] [[kernel]] void
      f<A>(...)`, which clang rejects ("an attribute list cannot appear here"), move behind
      the declarator-id, `template void f<A> [[host_name("x")]] [[kernel]] (...)`, where
@@ -185,8 +187,33 @@ def _top_level_args(masked: str, open_paren: int) -> int:
     return 0
 
 
+def _attribute_spans(masked: str) -> list[tuple[int, int]]:
+    spans, pos = [], 0
+    while (start := masked.find("[[", pos)) >= 0:
+        end = masked.find("]]", start)
+        if end < 0:
+            break
+        spans.append((start, end + 2))
+        pos = end + 2
+    return spans
+
+
+def _kernel_prefix_to_attribute(text: str) -> str:
+    """(0) MSL's function qualifier `kernel void f(...)` becomes `[[kernel]] void f(...)`."""
+    masked = _mask(text)
+    spans = _attribute_spans(masked)
+    out, pos = [], 0
+    for m in re.finditer(r"\bkernel\b", masked):
+        if any(a <= m.start() < b for a, b in spans):
+            continue
+        out += [text[pos:m.start()], "[[kernel]]"]
+        pos = m.end()
+    return "".join(out + [text[pos:]])
+
+
 def rewrite(text: str, path: str = "<source>") -> tuple[str, list[str]]:
     """The source clang parses, and the driver's own errors (see the module docstring)."""
+    text = _kernel_prefix_to_attribute(text)
     masked = _mask(text)
     edits: list[tuple[int, int, str]] = []  # (start, end, replacement), disjoint
     errors: list[str] = []
