@@ -84,7 +84,7 @@ BROKEN = {
         "no matching function for call to 'simd_shuffle_xor'"),
     # A kernel instantiation without host_name.
     "no_host_name": (
-        '[[host_name("tree_attn_reduce_" #TAG "_d" #D)]] ', "",
+        "[[host_name(TREE_ATTN_REDUCE_KERNEL_NAME(TAG, D))]] ", "",
         "explicit instantiation of kernel 'tree_attn_reduce' without [[host_name"),
     # A misspelt attribute: an error, not a warning.
     "misspelt_attribute": (
@@ -98,6 +98,50 @@ BROKEN = {
     "syncthreads": (
         "  if (row >= rows) return;", "  __syncthreads();\n  if (row >= rows) return;",
         "use of undeclared identifier '__syncthreads'"),
+    # v2 (simdgroup-matrix kernel) mistakes.
+    # simdgroup_load reads device or threadgroup memory, never a thread array.
+    "simdgroup_load_from_thread": (
+        "simdgroup_load(v_tile, kv_tile + j * 8 * LD_KV + i * 8, LD_KV);",
+        "float local_tile[64] = {};\n          simdgroup_load(v_tile, local_tile, 8);",
+        "no matching function for call to 'simdgroup_load'"),
+    # A threadgroup pointer where a matrix operand is expected.
+    "mma_pointer_operand": (
+        "simdgroup_multiply_accumulate(s[j], q[slice * SLICE_DT + i], k_t, s[j]);",
+        "simdgroup_multiply_accumulate(s[j], q[slice * SLICE_DT + i], kv_tile, s[j]);",
+        "no matching function for call to 'simdgroup_multiply_accumulate'"),
+    # The whole array of query matrices instead of one.
+    "mma_array_operand": (
+        "simdgroup_multiply_accumulate(s[j], q[slice * SLICE_DT + i], k_t, s[j]);",
+        "simdgroup_multiply_accumulate(s[j], q, k_t, s[j]);",
+        "no matching function for call to 'simdgroup_multiply_accumulate'"),
+    # Metal's simdgroup matrices are 8 x 8.
+    "matrix_not_8x8": (
+        "s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);",
+        "s[j] = make_filled_simdgroup_matrix<float, 8, 4>(0.0f);",
+        "simdgroup_matrix: only 8 x 8 matrices are supported"),
+    # A bool vector is no float vector (MSL has no implicit conversion between them).
+    "bool4_to_float4": (
+        "v = select(float4(0.0f), v, finite);", "v = finite;",
+        "assigning to 'float4' (vector of 4 'float' values) from incompatible type "
+        "'const __private bool4' (vector of 4 '__metal_bool' values)"),
+    # isfinite of a vector is a bool vector, not a bool.
+    "vector_isfinite_as_bool": (
+        "const bool4 finite = isfinite(v);", "const bool finite = isfinite(v);",
+        "cannot initialize a variable of type 'const __private bool' with an rvalue of type 'bool4'"),
+    # select's condition must be a bool vector of the operands' length (a scalar bool
+    # would be splat, as MSL converts a scalar to a vector implicitly).
+    "select_short_condition": (
+        "v = select(float4(0.0f), v, finite);", "v = select(float4(0.0f), v, finite.xy);",
+        "no matching function for call to 'select'"),
+    # float4(v) of a 2-vector: a conversion needs as many elements (a copy of 2 of 4 is
+    # no constructor MSL has).
+    "convert_wrong_length": (
+        "v = float4(*((device const vec<KVT, 4>*)at));", "v = float4(*((device const vec<KVT, 2>*)at));",
+        "vector constructor: a vector argument must have as many elements as the vector built"),
+    # A conversion constructor from a pointer.
+    "convert_pointer": (
+        "v = float4(*((device const vec<KVT, 4>*)at));", "v = float4(at);",
+        "vector constructor: the single argument must be a scalar or a vector of the same length"),
 }
 
 
@@ -135,6 +179,15 @@ def test_rewrite_keeps_lines_and_moves_instantiation_attributes():
     assert 'void k<float> [[host_name("k_f32")]] [[kernel]] (' in out
     assert "[[__metal_threadgroup_index(1)]]" in out and "threadgroup float* t" in out
     assert "(float4)(1.0f" in out
+    out, _ = msl.rewrite("float4 a = float4(h), b = float4(f(x, y)), c = float4(), d = half2(p[0], q);")
+    assert "__metal_vector_convert<float4>(h)" in out and "__metal_vector_convert<float4>(f(x, y))" in out
+    assert "float4()" in out and "(half2)(p[0], q)" in out
+    out, errors = msl.rewrite('template <typename T> kernel void k(device T* p [[buffer(0)]]) {}\n'
+                              'template [[host_name("k_f32")]] kernel void k<float>(device float* p [[buffer(0)]]);\n'
+                              'kernel void plain() {} // kernel\n')
+    assert errors == []
+    assert "template <typename T> [[kernel]] void k(" in out and "[[kernel]] void plain()" in out
+    assert 'void k<float> [[host_name("k_f32")]] [[kernel]] (' in out and "// kernel" in out
     _, errors = msl.rewrite(src.replace('[[host_name("k_f32")]] ', ""))
     assert len(errors) == 1 and ":2: error: explicit instantiation of kernel 'k'" in errors[0]
 

@@ -16,6 +16,8 @@ name from the same word in type position, nor move tokens). The driver rewrites 
 copy in a temporary folder (`#line 1` names the original file, no edit adds or removes a
 line, so every diagnostic points at the real file and line; columns may shift) and
 changes nothing else:
+  0. MSL's function qualifier `kernel void f(...)` is spelt as the attribute `[[kernel]]
+     void f(...)`, which MSL accepts too (`kernel` is OpenCL's keyword).
   1. Attributes on an explicit instantiation, `template [[host_name("x")]] [[kernel]] void
      f<A>(...)`, which clang rejects ("an attribute list cannot appear here"), move behind
      the declarator-id, `template void f<A> [[host_name("x")]] [[kernel]] (...)`, where
@@ -29,9 +31,14 @@ changes nothing else:
      is also the address-space keyword (a macro for __local).
   3. A program-scope `constant T name [[function_constant(n)]];` is made `extern`: its
      value is set when the pipeline is built, and OpenCL requires an initializer otherwise.
-  4. A vector constructor `float4(a, b)` becomes OpenCL's vector literal `(float4)(a, b)`,
-     which has MSL's composition rules; clang's C++ has no multi-argument functional cast
-     to a vector type.
+  4. A vector constructor with several arguments, `float4(a, b)`, becomes OpenCL's vector
+     literal `(float4)(a, b)`, which has MSL's composition rules; clang's C++ has no
+     multi-argument functional cast to a vector type. One with a single argument,
+     `float4(x)`, becomes `__metal_vector_convert<float4>(x)` (metal_stdlib): MSL converts
+     a vector of the same length element by element (float4(half4)) and splats a scalar,
+     where OpenCL's `(float4)(x)` would reinterpret the bits of a same-size vector and
+     reject a different-size one. `float4()` stays. Arguments are counted by top-level
+     commas; a template argument list with a comma inside one argument would miscount.
 Headers the file includes are parsed as they are. Rewriting macros in metal_stdlib was
 the alternative for (1); it cannot work, since the attribute tokens of an explicit
 instantiation are rejected wherever a macro puts them before the declarator.
@@ -161,8 +168,52 @@ def _flatten(s: str) -> str:
     return re.sub(r"\\\n|\n", " ", s)
 
 
+def _top_level_args(masked: str, open_paren: int) -> int:
+    """The number of arguments in the parentheses opening at open_paren (0 if empty or
+    unbalanced): top-level commas, nested (), [] and {} skipped."""
+    depth, commas, i = 0, 0, open_paren
+    while i < len(masked):
+        c = masked[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                inner = masked[open_paren + 1:i]
+                return 0 if not re.sub(r"\s|\\", "", inner) else commas + 1
+        elif c == "," and depth == 1:
+            commas += 1
+        i += 1
+    return 0
+
+
+def _attribute_spans(masked: str) -> list[tuple[int, int]]:
+    spans, pos = [], 0
+    while (start := masked.find("[[", pos)) >= 0:
+        end = masked.find("]]", start)
+        if end < 0:
+            break
+        spans.append((start, end + 2))
+        pos = end + 2
+    return spans
+
+
+def _kernel_prefix_to_attribute(text: str) -> str:
+    """(0) MSL's function qualifier `kernel void f(...)` becomes `[[kernel]] void f(...)`."""
+    masked = _mask(text)
+    spans = _attribute_spans(masked)
+    out, pos = [], 0
+    for m in re.finditer(r"\bkernel\b", masked):
+        if any(a <= m.start() < b for a, b in spans):
+            continue
+        out += [text[pos:m.start()], "[[kernel]]"]
+        pos = m.end()
+    return "".join(out + [text[pos:]])
+
+
 def rewrite(text: str, path: str = "<source>") -> tuple[str, list[str]]:
     """The source clang parses, and the driver's own errors (see the module docstring)."""
+    text = _kernel_prefix_to_attribute(text)
     masked = _mask(text)
     edits: list[tuple[int, int, str]] = []  # (start, end, replacement), disjoint
     errors: list[str] = []
@@ -230,12 +281,19 @@ def rewrite(text: str, path: str = "<source>") -> tuple[str, list[str]]:
         if depth_at[m.start()] == 0:
             edits.append((m.start(), m.start(), "extern "))
 
-    # (4) Vector constructors.
-    vector = r"\b((?:u?char|u?short|u?int|u?long|half|float|bfloat)[234])" + _SPACE + r"\("
+    # (4) Vector constructors: several arguments compose (OpenCL's vector literal), one
+    # converts (element-wise, or a scalar splat), none value-initialises (left as is).
+    vector = r"\b((?:u?char|u?short|u?int|u?long|half|float|bfloat|bool)[234])" + _SPACE + r"\("
     for m in re.finditer(vector, masked):
         if masked[:m.start()].rstrip().endswith(("::", ".", "->")):
             continue
-        edits.append((m.start(), m.end(1), f"({m.group(1)})"))
+        args = _top_level_args(masked, m.end() - 1)
+        if args == 0:
+            continue
+        if args == 1:
+            edits.append((m.start(), m.end(1), f"__metal_vector_convert<{m.group(1)}>"))
+        else:
+            edits.append((m.start(), m.end(1), f"({m.group(1)})"))
 
     edits.sort()
     out, pos = [], 0
