@@ -313,6 +313,15 @@ def test_counted_bytes_equal_the_model_and_the_bound_holds(case):
     for launch in traffic["launches"]:
         assert launch["counted_read"] == launch["modelled_read"], launch
         assert launch["counted_written"] == launch["modelled_written"], launch
+        # Every launch also reports its counters (runtime.h counter_items), the device bytes
+        # among them identical to the counted figures.
+        counters = launch["counters"]
+        assert sorted(counters) == sorted(["device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
+                                           "threadgroup_bytes_written", "simdgroup_mmas", "scalar_fmas", "shuffles"])
+        assert counters["device_bytes_read"] == launch["counted_read"]
+        assert counters["device_bytes_written"] == launch["counted_written"]
+    main = traffic["launches"][0]["counters"]
+    assert main["shuffles"] > 0 and main["threadgroup_bytes_written"] > 0 and main["threadgroup_bytes_read"] > 0
     plan = traffic["plan"]
     main_kv = plan["actual"]["main_reads"]["key_value"]
     assert main_kv <= _kv_bound(plan)

@@ -339,6 +339,286 @@ def test_device_bytes_are_counted_exactly():
 
 
 # ---------------------------------------------------------------------------------------------
+# simdgroup_matrix
+# ---------------------------------------------------------------------------------------------
+def matrix_slot(lane):
+    """The documented lane layout (msl.h simdgroup_matrix_slot): the lane's first element."""
+    q = lane // 4
+    return (q & 4) + (lane // 2) % 4, (q & 2) * 2 + (lane % 2) * 2
+
+
+def test_matrix_lane_layout_covers_every_element_once():
+    cells = sorted((r, c + k) for lane in range(32) for k in (0, 1) for r, c in [matrix_slot(lane)])
+    assert cells == [(r, c) for r in range(8) for c in range(8)]
+
+
+MMA_KERNELS = [("float", torch.float32, torch.float32), ("half", torch.float16, torch.float16),
+               ("half_float", torch.float16, torch.float32), ("bfloat_float", torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("name, dtype, acc", MMA_KERNELS)
+def test_simdgroup_multiply_is_exact_on_small_integers(name, dtype, acc):
+    # Integers in [-4, 4]: every product, sum and conversion is exact in each type, so any
+    # error in the layout, the operand order or the accumulation shows as a mismatch.
+    groups, simds = 3, 2
+    n = groups * simds
+    g = torch.Generator().manual_seed(11)
+    a = torch.randint(-4, 5, (n, 8, 8), generator=g).to(dtype)
+    b = torch.randint(-4, 5, (n, 8, 8), generator=g).to(dtype)
+    c = torch.randint(-4, 5, (n, 8, 8), generator=g).to(acc)
+    d = torch.full((n, 8, 8), float("nan"), dtype=acc)
+    p = torch.full((n, 8, 8), float("nan"), dtype=acc)
+    counted = launch(f"selftest_mma_{name}", [groups], [32 * simds], [a, b, c, d, p])
+    product = a.double() @ b.double()
+    assert torch.equal(d.double(), product + c.double())
+    assert torch.equal(p.double(), product)
+    # Device bytes: every simdgroup loads three matrices and stores two, 64 elements each.
+    esize, asize = a.element_size(), c.element_size()
+    assert counted == [n * 64 * (2 * esize + asize), n * 2 * 64 * asize]
+
+
+@pytest.mark.parametrize("name, dtype, acc", MMA_KERNELS)
+def test_simdgroup_multiply_accumulates_in_float(name, dtype, acc):
+    n = 4
+    g = torch.Generator().manual_seed(12)
+    a = torch.randn(n, 8, 8, generator=g).to(dtype)
+    b = torch.randn(n, 8, 8, generator=g).to(dtype)
+    c = torch.randn(n, 8, 8, generator=g).to(acc)
+    d, p = torch.zeros(n, 8, 8, dtype=acc), torch.zeros(n, 8, 8, dtype=acc)
+    launch(f"selftest_mma_{name}", [n], [32], [a, b, c, d, p])
+    want = a.double() @ b.double() + c.double()
+    # Products and sums in float32: at most 9 roundings of 2^-24 relative to the magnitudes
+    # involved, then one rounding to the accumulator's type.
+    magnitude = a.double().abs() @ b.double().abs() + c.double().abs()
+    out_eps = {torch.float32: 0.0, torch.float16: 2.0**-11}[acc]
+    bound = 9 * 2.0**-24 * magnitude + out_eps * want.abs() + 1e-30
+    assert ((d.double() - want).abs() <= bound).all()
+    # Not trivially satisfied: the bound is far below the error of a float16 accumulation.
+    assert bound.max() < 0.01
+
+
+def test_simdgroup_multiply_mixes_half_and_float_operands():
+    g = torch.Generator().manual_seed(13)
+    a = torch.randn(8, 8, generator=g).to(torch.float16)
+    b = torch.randn(8, 8, generator=g)
+    d = torch.zeros(8, 8)
+    launch("selftest_mma_mixed", [1], [32], [a, b, d])
+    want = a.double() @ b.double() + 0.5
+    assert ((d.double() - want).abs() <= 9 * 2.0**-24 * (a.double().abs() @ b.double().abs() + 0.5)).all()
+
+
+TRANSFER_FIELDS = ["load_row_elements", "load_col", "load_row", "load_transpose", "store_row_elements",
+                   "store_col", "store_row", "store_transpose", "through_threadgroup", "elements"]
+
+
+def transfer_args(**kw):
+    return torch.tensor([kw[f] for f in TRANSFER_FIELDS], dtype=torch.int32)
+
+
+def expected_transfer(src, dst, kw):
+    """float64 reference of simdgroup_load (origin = (column, row) of the source, transpose:
+    matrix rows are source columns) followed by simdgroup_store with its own parameters."""
+    src, dst = src.double().tolist(), dst.double().clone()
+    m = [[0.0] * 8 for _ in range(8)]
+    for r in range(8):
+        for c in range(8):
+            sr, sc = (c, r) if kw["load_transpose"] else (r, c)
+            m[r][c] = src[(kw["load_row"] + sr) * kw["load_row_elements"] + kw["load_col"] + sc]
+    for r in range(8):
+        for c in range(8):
+            dr, dc = (c, r) if kw["store_transpose"] else (r, c)
+            dst[(kw["store_row"] + dr) * kw["store_row_elements"] + kw["store_col"] + dc] = m[r][c]
+    return dst
+
+
+@pytest.mark.parametrize("through_threadgroup", [0, 1])
+@pytest.mark.parametrize("load, store", [
+    ((8, 0, 0, 0), (8, 0, 0, 0)),
+    ((20, 3, 2, 0), (12, 4, 1, 1)),
+    ((11, 2, 5, 1), (9, 0, 3, 0)),
+    ((16, 8, 0, 1), (16, 5, 2, 1)),
+])
+def test_simdgroup_load_store_strides_origins_transpose(through_threadgroup, load, store):
+    n = 400
+    kw = dict(zip(TRANSFER_FIELDS, load + store + (through_threadgroup, n)))
+    src = torch.arange(n, dtype=torch.float32) * 0.25 - 7
+    dst = torch.full((n,), -1.0)
+    want = expected_transfer(src, dst, kw)
+    counted = launch("selftest_matrix_transfer", [1], [32], [src, dst, transfer_args(**kw)])
+    assert torch.equal(dst.double(), want)
+    if not through_threadgroup:
+        assert counted == [64 * 4, 64 * 4]  # exactly the 64 elements loaded and stored
+    else:
+        assert counted == [2 * n * 4, n * 4]  # the element-wise copies in and out
+
+
+def test_matrix_thread_elements_layout():
+    out = torch.full((256,), float("nan"))
+    launch("selftest_matrix_layout", [1], [32], [out])
+    stored, loaded = out[:64].view(8, 8), out[64:128].view(32, 2)
+    for lane in range(32):
+        r, c = matrix_slot(lane)
+        assert stored[r, c] == lane and stored[r, c + 1] == lane + 0.5
+        assert loaded[lane].tolist() == [r * 8 + c, r * 8 + c + 1]
+    assert torch.equal(out[128:192].view(8, 8), 3 * torch.eye(8))
+    assert (out[192:] == -2).all()
+
+
+@pytest.mark.parametrize("mode, message", [
+    (0, r"divergent simd-group ops: this lane reached simdgroup_store \(tests/sim/csrc/selftest/simdgroup_matrix.metal:\d+:\d+\) "
+        r"while lanes \{0-15\} wait at simdgroup_store"),
+    (1, r"simdgroup_store \(tests/sim/csrc/selftest/simdgroup_matrix.metal:\d+\) outside uniform simd-group control flow: only lanes with mask 0x0000ffff reached it"),
+    (2, r"simdgroup_load \(tests/sim/csrc/selftest/simdgroup_matrix.metal:\d+\) with a non-uniform pointer: lane 16 passes a different value from lane 0"),
+    (3, r"simdgroup_load \(tests/sim/csrc/selftest/simdgroup_matrix.metal:\d+\) with a non-uniform elements_per_row: lane 1 "),
+    (4, r"simdgroup_store \(tests/sim/csrc/selftest/simdgroup_matrix.metal:\d+\) with a non-uniform transpose_matrix: lane 7 "),
+    (5, r"simdgroup_load \(tests/sim/csrc/selftest/simdgroup_matrix.metal:\d+\) with a non-uniform matrix_origin: lane 31 "),
+])
+def test_simdgroup_matrix_misuse_is_reported(mode, message):
+    buf = torch.zeros(256)
+    with pytest.raises(RuntimeError, match=message) as info:
+        launch("selftest_matrix_misuse", [1], [64], [buf, torch.tensor([mode], dtype=torch.int32)])
+    assert "kernel 'selftest_matrix_misuse'" in str(info.value)
+    assert "threadgroup (0,0,0), thread (" in str(info.value)
+    lane = re.search(r"lane (\d+) passes", str(info.value))
+    if lane:  # a non-uniform argument is reported as the lane that passed it
+        assert str(info.value).endswith(f"lane {lane.group(1)}]")
+
+
+def test_simdgroup_load_out_of_bounds_names_the_owning_lane():
+    # Origin row 1 of an 8x8 source: matrix row 7 is source row 8, one past the end. Lane 22
+    # owns (7, 0), the first element outside.
+    kw = dict(zip(TRANSFER_FIELDS, (8, 0, 1, 0, 8, 0, 0, 0, 0, 64)))
+    with pytest.raises(RuntimeError, match=r"out-of-bounds device read of buffer\(0\) 'buffers\[0\]' \(kernel parameter "
+                                           r"'src'\): element 64 of 4 bytes .* thread \(22,0,0\) \[index 22, simdgroup 0, lane 22\]"):
+        launch("selftest_matrix_transfer", [1], [32], [torch.zeros(64), torch.zeros(64), transfer_args(**kw)])
+    # Through threadgroup memory: rows of 128 elements from row 2 leave the 1024-element tile at
+    # matrix row 6, first owned by lane 20.
+    kw = dict(zip(TRANSFER_FIELDS, (128, 0, 2, 0, 8, 0, 0, 0, 1, 64)))
+    with pytest.raises(RuntimeError, match=r"out-of-bounds threadgroup memory access in 'in_tile': byte 4096 .* "
+                                           r"\[index 20, simdgroup 0, lane 20\]"):
+        launch("selftest_matrix_transfer", [1], [32], [torch.zeros(64), torch.zeros(64), transfer_args(**kw)])
+    # A store into a binding too small for the matrix.
+    kw = dict(zip(TRANSFER_FIELDS, (8, 0, 0, 0, 8, 0, 0, 1, 0, 64)))
+    with pytest.raises(RuntimeError, match=r"out-of-bounds device write of buffer\(1\)"):
+        launch("selftest_matrix_transfer", [1], [32], [torch.zeros(64), torch.zeros(63), transfer_args(**kw)])
+
+
+COUNTER_KEYS = ["device_bytes_read", "device_bytes_written", "threadgroup_bytes_read", "threadgroup_bytes_written",
+                "simdgroup_mmas", "scalar_fmas", "shuffles"]
+
+
+def launch_counters(kernel, grid, threads, buffers, threadgroup_memory=()):
+    return torch.ops.tree_attn_sim.launch_counters(kernel, list(grid), list(threads), list(threadgroup_memory), buffers)
+
+
+@pytest.mark.parametrize("groups, threads", [(1, 32), (2, 128), (3, 1024)])
+def test_counters_are_exact(groups, threads):
+    simds = threads // 32
+    x = exact_values(groups * threads, seed=threads)
+    out, out_matrix = torch.zeros(groups * threads), torch.zeros(groups * simds * 64)
+    counters = launch_counters("selftest_counters", [groups], [threads], [x, out, out_matrix])
+    assert list(counters.keys()) == COUNTER_KEYS  # stable, documented names (runtime.h)
+    per_thread = dict(device_bytes_read=8, device_bytes_written=4, threadgroup_bytes_read=6,
+                      threadgroup_bytes_written=6, simdgroup_mmas=0, scalar_fmas=3, shuffles=0)
+    per_simdgroup = dict(device_bytes_read=0, device_bytes_written=256, threadgroup_bytes_read=256,
+                         threadgroup_bytes_written=256, simdgroup_mmas=2, scalar_fmas=0, shuffles=4)
+    want = {k: groups * (threads * per_thread[k] + simds * per_simdgroup[k]) for k in COUNTER_KEYS}
+    assert dict(counters) == want
+    assert (out_matrix == 648).all()
+    # The same launch through `launch` reports the same device bytes.
+    assert launch("selftest_counters", [groups], [threads], [x, out, out_matrix]) == [
+        want["device_bytes_read"], want["device_bytes_written"]]
+
+
+def test_counters_of_simd_collectives_and_matrix_transfers():
+    # 12 collectives per simdgroup, no threadgroup memory.
+    values, out = exact_values(2 * 128, seed=1), torch.zeros(2 * 128, 12)
+    c = launch_counters("selftest_simd_collectives", [2], [128], [values, out])
+    assert c["shuffles"] == 2 * 4 * 12 and c["threadgroup_bytes_read"] == 0 and c["scalar_fmas"] == 0
+    # Through threadgroup memory: n elements copied in (plus n of dst), 64 loaded and 64
+    # stored by the matrix ops, n copied out.
+    n = 400
+    kw = dict(zip(TRANSFER_FIELDS, (20, 3, 2, 0, 12, 4, 1, 1, 1, n)))
+    c = launch_counters("selftest_matrix_transfer", [1], [32],
+                        [torch.zeros(n), torch.zeros(n), transfer_args(**kw)])
+    assert c["threadgroup_bytes_written"] == 4 * (2 * n + 64)
+    assert c["threadgroup_bytes_read"] == 4 * (64 + n)
+    assert c["simdgroup_mmas"] == 0 and c["shuffles"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Function constants
+# ---------------------------------------------------------------------------------------------
+def launch_with_constants(constants, x):
+    out = torch.full_like(x, float("nan"))
+    torch.ops.tree_attn_sim.launch("selftest_function_constants", [1], [x.numel()], [], [x, out], constants)
+    return out
+
+
+@pytest.mark.parametrize("constants, expected", [
+    (["0:uint=3", "1:bool=true", "2:float=0.25", "3:half=1.5"], lambda x: x * 3 + 0.25 + 1.5),
+    (["0:uint=3", "1:bool=false", "2:float=0.25", "3:half=1.5"], lambda x: x * 3 + 1.5),
+    # No bias given: is_function_constant_defined(bias) is false and bias is never read.
+    (["0:uint=7", "1:bool=true", "3:half=-2"], lambda x: x * 7 - 2),
+    # A half constant is rounded to half: 0.1 -> 0.0999755859375.
+    (["3:half=0.1", "0:uint=1", "1:bool=false", "7:ushort=5"], lambda x: x + 0.0999755859375),
+])
+def test_function_constants_specialise_the_kernel(constants, expected):
+    x = exact_values(64, seed=3)
+    out = launch_with_constants(constants, x)
+    torch.testing.assert_close(out.double(), expected(x.double()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("constants, message", [
+    (["1:bool=true", "3:half=0"], r"function constant 'scale' \[\[function_constant\(0\)\]\] is used but the launch "
+                                  r"gives it no value .* at threadgroup \(0,0,0\), thread \(0,0,0\)"),
+    (["0:uint=1", "3:half=0"], r"function constant 'use_bias' \[\[function_constant\(1\)\]\] is used"),
+    (["0:float=1"], r"function constant index 0 is given as float, but 'scale' is declared uint"),
+    (["5:uint=1"], r"function constant index 5 \(uint\) is given, but tests/sim/csrc/selftest/function_constants.metal "
+                   r"declares no \[\[function_constant\(5\)\]\]; it declares: scale \(0, uint\), use_bias \(1, bool\)"),
+    (["0:uint=1", "0:uint=2"], r"function constant index 0 is given twice"),
+    (["0:uint=-1"], r"'0:uint=-1': value is not a uint"),
+    (["0=uint:1"], r"is not written index:type=value"),
+])
+def test_function_constant_errors(constants, message):
+    with pytest.raises((RuntimeError, ValueError), match=message) as info:
+        launch_with_constants(constants, torch.zeros(32))
+    if "given" in message:
+        assert "kernel 'selftest_function_constants'" in str(info.value)
+
+
+def test_a_kernel_without_function_constants_rejects_values():
+    with pytest.raises(RuntimeError, match=r"declares no \[\[function_constant\(0\)\]\]; it declares: none"):
+        torch.ops.tree_attn_sim.launch("selftest_copy", [1], [32], [], [torch.zeros(32), torch.zeros(32)], ["0:uint=1"])
+
+
+def test_translation_of_function_constants():
+    cpp = translate("constant uint n [[function_constant(4)]];\n"
+                    "constant bool has_n = is_function_constant_defined(n);\n"
+                    "constant uint plain = 3;\n"
+                    "kernel void f(device float* x [[buffer(0)]], constant uint& m [[buffer(1)]]) { x[0] = has_n ? n : m; }\n")
+    assert 'static constexpr ::metal::detail::function_constant<uint> n{0, 4, "n"};' in cpp
+    assert "static const ::metal::detail::function_constant_expr<bool>  has_n {+[]() -> bool { return bool( " \
+           "is_function_constant_defined(n)); }};" in cpp
+    assert "static const uint plain = 3;" in cpp
+    assert '{"n", 4, ::metal::detail::function_constant_type<uint>()}' in cpp
+    assert "tree_attn_sim_function_constants, 1}" in cpp
+
+
+@pytest.mark.parametrize("source, message", [
+    ("constant float2 v [[function_constant(0)]];\n", r"type 'float2' is not supported"),
+    ("constant uint a [[function_constant(0)]];\nconstant uint b [[function_constant(0)]];\n",
+     r"'a' and 'b' share \[\[function_constant\(0\)\]\]"),
+    ("constant uint a [[function_constant(0)]] = 3;\n", r"no initializer"),
+    ("constant uint a [[function_constant(x)]];\n", r"with an integer index"),
+    ("kernel void f(device float* x [[buffer(0), function_constant(has_x)]]) {}\n", r"unsupported parameter attribute"),
+])
+def test_translator_rejects_bad_function_constants(source, message):
+    with pytest.raises(msl2cpp.TranslationError, match=message):
+        translate(source)
+
+
+# ---------------------------------------------------------------------------------------------
 # The translator
 # ---------------------------------------------------------------------------------------------
 KERNEL_PREFIX = "#include <metal_stdlib>\nusing namespace metal;\n"
@@ -405,7 +685,6 @@ def test_macros_get_the_same_rewriting():
         ("kernel void f(device float& x [[buffer(0)]]) {}", r"non-const device reference is not supported"),
         ("kernel void f(device float* x [[buffer(0)]]) { threadgroup float t[4] = {0}; }",
          r"one variable per declaration, without an initializer"),
-        ("kernel void f(device float* x [[buffer(0)]]) { simdgroup_float8x8 m; }", r"simdgroup_matrix"),
         ("kernel void f(device double* x [[buffer(0)]]) {}", r"'double': double is not an MSL type"),
         ("#include <metal_atomic>\n", r"only <metal_stdlib> is supported"),
         ('#define NAMED [[host_name("f")]]\n', r"attributes inside #define"),
@@ -430,6 +709,14 @@ def test_macros_get_the_same_rewriting():
 def test_translator_rejects_constructs_outside_the_subset(source, message):
     with pytest.raises(msl2cpp.TranslationError, match=message):
         translate(source)
+
+
+def test_translator_accepts_simdgroup_matrix():
+    cpp = translate("#include <metal_simdgroup_matrix>\n"
+                    "kernel void f(device float* x [[buffer(0)]]) {\n"
+                    "  simdgroup_float8x8 m;\n  simdgroup_load(m, x, 8, ulong2(0, 0), true);\n  simdgroup_store(m, x);\n}\n")
+    assert "// #include <metal_simdgroup_matrix>: provided by sim/msl.h" in cpp
+    assert "simdgroup_float8x8 m;" in cpp
 
 
 def test_translator_expands_instantiation_macros():

@@ -17,15 +17,32 @@ std::string describe(NSError* error) {
   return text != nullptr ? std::string(text) : std::string("(error description is not UTF-8)");
 }
 
+MTLDataType metal_data_type(FunctionConstantType type) {
+  switch (type) {
+    case FunctionConstantType::Bool: return MTLDataTypeBool;
+    case FunctionConstantType::Char: return MTLDataTypeChar;
+    case FunctionConstantType::UChar: return MTLDataTypeUChar;
+    case FunctionConstantType::Short: return MTLDataTypeShort;
+    case FunctionConstantType::UShort: return MTLDataTypeUShort;
+    case FunctionConstantType::Int: return MTLDataTypeInt;
+    case FunctionConstantType::UInt: return MTLDataTypeUInt;
+    case FunctionConstantType::Half: return MTLDataTypeHalf;
+    case FunctionConstantType::Float: return MTLDataTypeFloat;
+  }
+  TORCH_INTERNAL_ASSERT(false, "tree attention: unknown function constant type");
+}
+
 class PipelineCache {
  public:
-  id<MTLComputePipelineState> get(id<MTLDevice> device, const std::string& kernel_name) {
+  id<MTLComputePipelineState> get(id<MTLDevice> device, const std::string& kernel_name,
+                                  const std::vector<FunctionConstant>& constants) {
     std::lock_guard<std::mutex> lock(mutex_);
     // PyTorch drives a single Metal device, so one library serves every call.
     TORCH_INTERNAL_ASSERT(device_ == nil || device_ == device,
                           "tree attention: the MPS device changed during the process");
     device_ = device;
-    const auto cached = pipelines_.find(kernel_name);
+    const std::string key = pipeline_key(kernel_name, constants);
+    const auto cached = pipelines_.find(key);
     if (cached != pipelines_.end()) return cached->second;
 
     // Objective-C temporaries live in an autorelease pool that must be popped normally,
@@ -37,11 +54,11 @@ class PipelineCache {
       if (library_ == nil) {
         failure = library_failure_;
       } else {
-        pipeline = build_pipeline(kernel_name, failure);
+        pipeline = build_pipeline(kernel_name, constants, failure);
       }
     }
     TORCH_CHECK(pipeline != nil, failure);
-    pipelines_.emplace(kernel_name, pipeline);
+    pipelines_.emplace(key, pipeline);
     return pipeline;
   }
 
@@ -71,15 +88,31 @@ class PipelineCache {
     }
   }
 
-  id<MTLComputePipelineState> build_pipeline(const std::string& kernel_name, std::string& failure) {
+  id<MTLComputePipelineState> build_pipeline(const std::string& kernel_name,
+                                             const std::vector<FunctionConstant>& constants, std::string& failure) {
     NSString* name = [NSString stringWithUTF8String:kernel_name.c_str()];
-    id<MTLFunction> function = name != nil ? [library_ newFunctionWithName:name] : nil;
+    NSError* error = nil;
+    id<MTLFunction> function = nil;
+    if (name != nil && constants.empty()) {
+      function = [library_ newFunctionWithName:name];
+    } else if (name != nil) {
+      // Specialised: Metal copies each value when it is set.
+      MTLFunctionConstantValues* values = [[MTLFunctionConstantValues alloc] init];
+      for (const FunctionConstant& c : constants)
+        [values setConstantValue:c.data() type:metal_data_type(c.type) atIndex:NSUInteger(c.index)];
+      function = [library_ newFunctionWithName:name constantValues:values error:&error];
+      if (function == nil && error != nil) {
+        failure = "tree attention: Metal could not specialise kernel '" + kernel_name + "' with function constants " +
+                  pipeline_key(kernel_name, constants) + ": " + describe(error);
+        return nil;
+      }
+    }
     if (function == nil) {
       failure = "tree attention: shaders/tree_attention.metal has no kernel named '" + kernel_name +
                 "' (the launch plan in csrc/plan.cpp and the shader's host_name instantiations disagree)";
       return nil;
     }
-    NSError* error = nil;
+    error = nil;
     id<MTLComputePipelineState> pipeline = [device_ newComputePipelineStateWithFunction:function error:&error];
     if (pipeline == nil) {
       failure = "tree attention: Metal could not build the compute pipeline of kernel '" + kernel_name +
@@ -97,11 +130,12 @@ class PipelineCache {
 
 }  // namespace
 
-id<MTLComputePipelineState> compute_pipeline(id<MTLDevice> device, const std::string& kernel_name) {
+id<MTLComputePipelineState> compute_pipeline(id<MTLDevice> device, const std::string& kernel_name,
+                                             const std::vector<FunctionConstant>& constants) {
   // Deliberately never destroyed: releasing Metal objects from a static destructor at
   // process exit can run after the Metal runtime itself is torn down.
   static PipelineCache* const cache = new PipelineCache();
-  return cache->get(device, kernel_name);
+  return cache->get(device, kernel_name, constants);
 }
 
 }  // namespace tree_attn::mps

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "metal/function_constant.h"
 #include "tree_attn.h"
 #include "tree_attn_params.h"
 
@@ -48,6 +49,9 @@ struct Launch {
   std::array<uint32_t, 3> threads{1, 1, 1};  // threads per threadgroup
   uint32_t threadgroup_memory_bytes = 0;     // at [[threadgroup(0)]]; multiple of 16; 0 = none
   std::vector<BufferBinding> buffers;
+  // Function-constant values the kernel's pipeline is specialised with (none: an
+  // unspecialised pipeline). kernel + constants identify the pipeline (pipeline_key).
+  std::vector<FunctionConstant> constants;
 };
 
 struct Plan {

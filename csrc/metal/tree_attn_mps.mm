@@ -81,7 +81,7 @@ void check_device_limits(const Launch& launch, id<MTLComputePipelineState> pipel
 
 EncodedLaunch resolve_launch(const Launch& launch, const CallTensors& tensors, id<MTLDevice> device) {
   EncodedLaunch encoded;
-  encoded.pipeline = mps::compute_pipeline(device, launch.kernel);
+  encoded.pipeline = mps::compute_pipeline(device, launch.kernel, launch.constants);
   check_device_limits(launch, encoded.pipeline, device);
   encoded.grid = MTLSizeMake(launch.grid[0], launch.grid[1], launch.grid[2]);
   encoded.threads = MTLSizeMake(launch.threads[0], launch.threads[1], launch.threads[2]);

@@ -87,8 +87,24 @@ struct TgShadow {
   uint8_t read_simd = 0;
 };
 
+// Per-launch operation counters beside the device bytes (BufferState), one set per worker,
+// summed by launch(). What each counts is documented with runtime.h's LaunchStats.
+struct OpCounters {
+  uint64_t threadgroup_bytes_read = 0, threadgroup_bytes_written = 0;
+  uint64_t simdgroup_mmas = 0, scalar_fmas = 0, shuffles = 0;
+};
+
+// The value of one of the kernel's function constants in the current launch (slot = its
+// position in the translated file's table).
+struct ConstantSlot {
+  bool defined = false;
+  alignas(8) unsigned char bytes[8] = {};
+};
+
 struct ThreadCtx {
   Worker* worker = nullptr;
+  OpCounters* counters = nullptr;  // the worker's
+  const ConstantSlot* constants = nullptr;  // the launch's, by slot
   // Threadgroup-memory race detection, for the inline fast path of loads (msl.h).
   TgShadow* tg_shadow = nullptr;
   uintptr_t tg_arena = 0;
@@ -114,6 +130,23 @@ ThreadCtx* current_thread();
 SimdGroup& simd_arrive(const char* op_name, const Site& site, const void* value, uint32_t size,
                        uint32_t arg);
 void threadgroup_barrier_wait(const Site& site);
+
+// Collective simd-group operations that move data on behalf of every lane (simdgroup_load,
+// simdgroup_store) make each lane's memory accesses *as that lane*, so bounds faults, race
+// records and byte counts name the lane that owns the element. While a LaneScope is alive,
+// current_thread() is lane `lane` of the calling thread's simdgroup. Only valid inside the
+// compute step of a completed simd-group op (every other lane of the simdgroup is suspended
+// at the op), which never switches fibers.
+class LaneScope {
+ public:
+  explicit LaneScope(uint32_t lane);
+  ~LaneScope();
+  LaneScope(const LaneScope&) = delete;
+  LaneScope& operator=(const LaneScope&) = delete;
+
+ private:
+  ThreadCtx* saved_;
+};
 
 // Threadgroup memory declared in a kernel body: one allocation per threadgroup per site.
 struct TgSite {
@@ -141,5 +174,7 @@ void device_load_track(uintptr_t addr, size_t size);
 [[noreturn]] void device_fault(const BufferState* buf, uintptr_t addr, size_t size, const char* access);
 [[noreturn]] void threadgroup_fault(const TgRegion& region, uintptr_t addr, size_t size, const char* what);
 [[noreturn]] void simd_fault(const char* message);
+// A function constant used without a value (the launch gave none for its index).
+[[noreturn]] void function_constant_undefined(const char* name, uint32_t index);
 
 }  // namespace tree_attn::sim::detail

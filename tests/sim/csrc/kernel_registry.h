@@ -41,6 +41,13 @@ struct ParamInfo {
 
 using LaunchFn = void (*)(ThreadCtx&);
 
+// A `constant T name [[function_constant(index)]];` of the kernel's .metal file.
+struct FunctionConstantInfo {
+  const char* name;
+  uint32_t index;
+  ::tree_attn::FunctionConstantType type;
+};
+
 struct KernelEntry {
   const char* name;
   LaunchFn launch;
@@ -48,6 +55,8 @@ struct KernelEntry {
   size_t num_params;
   uint32_t max_total_threads;  // [[max_total_threads_per_threadgroup(N)]], 0 if none
   const char* source;          // the .metal file
+  const FunctionConstantInfo* constants;  // the file's function constants (slot = position)
+  size_t num_constants;
 };
 
 struct KernelRegistrar {

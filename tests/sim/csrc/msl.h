@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "exec.h"
+#include "metal/function_constant.h"
 
 namespace metal {
 
@@ -305,6 +306,8 @@ TREE_ATTN_SIM_VEC_TYPES(ushort)
 TREE_ATTN_SIM_VEC_TYPES(char)
 TREE_ATTN_SIM_VEC_TYPES(uchar)
 TREE_ATTN_SIM_VEC_TYPES(bool)
+TREE_ATTN_SIM_VEC_TYPES(long)
+TREE_ATTN_SIM_VEC_TYPES(ulong)
 #undef TREE_ATTN_SIM_VEC_TYPES
 
 #define TREE_ATTN_SIM_VEC_ARITH(OP)                                                           \
@@ -528,9 +531,24 @@ template <class T, int N> inline vec<T, N> clamp(const vec<T, N>& x, T lo, T hi)
   return min(max(x, vec<T, N>(lo)), vec<T, N>(hi));
 }
 
-inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
-inline half fma(half a, half b, half c) { return half(float(double(a) * double(b) + double(c))); }
-inline bfloat fma(bfloat a, bfloat b, bfloat c) { return bfloat(float(double(a) * double(b) + double(c))); }
+namespace detail {
+inline void count_fma() {
+  if (auto* t = tree_attn::sim::detail::current_thread()) ++t->counters->scalar_fmas;
+}
+}  // namespace detail
+// Each scalar fma is counted (LaunchStats::scalar_fmas).
+inline float fma(float a, float b, float c) {
+  detail::count_fma();
+  return std::fma(a, b, c);
+}
+inline half fma(half a, half b, half c) {
+  detail::count_fma();
+  return half(float(double(a) * double(b) + double(c)));
+}
+inline bfloat fma(bfloat a, bfloat b, bfloat c) {
+  detail::count_fma();
+  return bfloat(float(double(a) * double(b) + double(c)));
+}
 template <class T, int N> inline vec<T, N> fma(const vec<T, N>& a, const vec<T, N>& b, const vec<T, N>& c) {
   vec<T, N> r;
   for (int i = 0; i < N; ++i) r[i] = fma(a[i], b[i], c[i]);
@@ -643,16 +661,20 @@ template <class T> void slot_put(unsigned char* s, const T& v) { std::memcpy(s, 
 
 // Gather one value per live lane, run `compute(sg)` once for the whole simdgroup (whichever lane
 // resumes first), hand each lane its result.
-template <class T, class Compute>
-inline T simd_collective(const char* name, const std::source_location& site, const T& value, uint32_t arg,
-                         Compute&& compute) {
+// (Each lane's result is a T, or an R when given.)
+template <class R = void, class T, class Compute>
+inline std::conditional_t<std::is_void_v<R>, T, R> simd_collective(const char* name, const std::source_location& site,
+                                                                   const T& value, uint32_t arg, Compute&& compute) {
+  using Result = std::conditional_t<std::is_void_v<R>, T, R>;
+  static_assert(sizeof(Result) <= tree_attn::sim::detail::kSimdSlotBytes);
   const uint32_t lane = tree_attn::sim::detail::current_thread()->lane;
   SimdGroup& sg = tree_attn::sim::detail::simd_arrive(name, site, &value, sizeof(T), arg);
   if (sg.computed != sg.completed) {
+    ++tree_attn::sim::detail::current_thread()->counters->shuffles;
     compute(sg);
     sg.computed = sg.completed;
   }
-  return slot_get<T>(sg.results[lane]);
+  return slot_get<Result>(sg.results[lane]);
 }
 
 // A fixed pairwise tree over lanes 0..31 (absent lanes skipped), the same for every lane.
@@ -824,11 +846,16 @@ class simd_vote {
 };
 
 inline simd_vote simd_ballot(bool b, TREE_ATTN_SIM_SITE) {
-  const uint32_t mask = detail::simd_reduce("simd_ballot", site, uint32_t(b) << tree_attn::sim::detail::current_thread()->lane,
-                                            [](uint32_t a, uint32_t c) { return a | c; });
-  const uint32_t active = detail::simd_reduce("simd_ballot", site, uint32_t(1) << tree_attn::sim::detail::current_thread()->lane,
-                                              [](uint32_t a, uint32_t c) { return a | c; });
-  return simd_vote(mask).with_active(active);
+  // One collective: the ballot of the participating lanes, and which lanes participated.
+  const uint64_t r = detail::simd_collective<uint64_t>("simd_ballot", site, b, 0, [](detail::SimdGroup& sg) {
+    uint32_t votes = 0;
+    for (int l = 0; l < 32; ++l)
+      if ((sg.op_mask >> l & 1u) && detail::slot_get<bool>(sg.values[l])) votes |= 1u << l;
+    const uint64_t packed = uint64_t(sg.op_mask) << 32 | votes;
+    for (int l = 0; l < 32; ++l)
+      if (sg.op_mask >> l & 1u) detail::slot_put(sg.results[l], packed);
+  });
+  return simd_vote(r & 0xffffffffu).with_active(r >> 32);
 }
 inline bool simd_any(bool b, TREE_ATTN_SIM_SITE) {
   return detail::simd_reduce("simd_any", site, b, [](bool a, bool c) { return a || c; });
@@ -1054,12 +1081,14 @@ template <class T> class threadgroup_lvalue {
 
   T load() const {
     detail::threadgroup_track_load(thread_, addr_, sizeof(T));
+    thread_->counters->threadgroup_bytes_read += sizeof(T);
     T v;
     std::memcpy(&v, reinterpret_cast<const void*>(addr_), sizeof(T));
     return v;
   }
   void store(const T& v) const {
     tree_attn::sim::detail::threadgroup_track(addr_, sizeof(T), true);
+    thread_->counters->threadgroup_bytes_written += sizeof(T);
     std::memcpy(reinterpret_cast<void*>(addr_), &v, sizeof(T));
   }
 
@@ -1083,7 +1112,9 @@ template <class T> decltype(auto) threadgroup_element(uintptr_t a) {
   if constexpr (!tg_tracked_v<T>) {
     return *reinterpret_cast<T*>(a);
   } else if constexpr (std::is_const_v<T>) {
-    detail::threadgroup_track_load(tree_attn::sim::detail::current_thread(), a, sizeof(T));
+    auto* t = tree_attn::sim::detail::current_thread();
+    detail::threadgroup_track_load(t, a, sizeof(T));
+    t->counters->threadgroup_bytes_read += sizeof(T);
     std::remove_const_t<T> v;
     std::memcpy(&v, reinterpret_cast<const void*>(a), sizeof(T));
     return v;
@@ -1223,6 +1254,326 @@ template <class T> decltype(auto) threadgroup_declare_scalar(const tree_attn::si
 }
 }  // namespace detail
 
+
+// ---------------------------------------------------------------------------------------------
+// SIMD-group matrices (MSL 3.1 §6.7, <metal_simdgroup_matrix>): 8x8 matrices of float, half or
+// bfloat spread over the 32 lanes of a simdgroup, two elements per lane.
+//
+// simdgroup_load, simdgroup_store, simdgroup_multiply and simdgroup_multiply_accumulate are
+// collectives: every lane of the simdgroup must call them together, at the same call site, with
+// the same pointer, elements_per_row, origin and transpose flag. Anything else is undefined
+// behaviour in MSL and a fault here (a lane that returned early, lanes at different sites, or
+// non-uniform arguments). The data moves in the op's compute step, once for the whole
+// simdgroup, after every lane has arrived: each element is accessed through the ordinary checked
+// pointers *as the lane that owns it* (detail::simdgroup_matrix_slot), so bounds and alignment
+// checks, device byte counts (64 elements per load or store), threadgroup race records and
+// fault messages are exactly those of that lane's scalar accesses.
+// ---------------------------------------------------------------------------------------------
+namespace detail {
+// THE lane layout of a simdgroup matrix, the only place that knows it. MSL leaves the mapping
+// unspecified; this is the one Apple GPUs use and MLX relies on (steel/attn/mma.h): lane l holds
+// row `row`, columns `col` and `col + 1`, with q = l / 4, row = (q & 4) + (l / 2) % 4,
+// col = (q & 2) * 2 + (l % 2) * 2. Lanes 0-7 hold rows 0-3 x columns 0-3, lanes 8-15 rows 0-3 x
+// columns 4-7, lanes 16-23 rows 4-7 x columns 0-3, lanes 24-31 rows 4-7 x columns 4-7.
+// thread_elements(), the diagonal constructor, loads, stores and multiplies all go through it.
+struct matrix_slot {
+  uint32_t row, col;  // of the lane's first element; its second is (row, col + 1)
+};
+constexpr matrix_slot simdgroup_matrix_slot(uint32_t lane) {
+  const uint32_t q = lane / 4;
+  return matrix_slot{(q & 4u) + (lane / 2) % 4, (q & 2u) * 2 + (lane % 2) * 2};
+}
+
+template <class T>
+inline constexpr bool matrix_element_v = std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat>;
+}  // namespace detail
+
+template <class T, int Cols, int Rows = Cols> struct simdgroup_matrix {
+  static_assert(detail::matrix_element_v<T>, "simdgroup_matrix elements are float, half or bfloat");
+  static_assert(Cols == 8 && Rows == 8, "simdgroup_matrix is 8x8 (MSL 3.1)");
+  using element_type = T;
+
+  // Uninitialised in MSL: poisoned here (all-ones bits, NaN), like threadgroup memory.
+  simdgroup_matrix() { std::memset(static_cast<void*>(&e_), 0xFF, sizeof(e_)); }
+  // A diagonal matrix with `dval` on the diagonal (MSL's simdgroup_matrix(T dval)).
+  simdgroup_matrix(T dval) {
+    const auto s = detail::simdgroup_matrix_slot(tree_attn::sim::detail::current_thread()->lane);
+    e_[0] = s.row == s.col ? dval : T(0);
+    e_[1] = s.row == s.col + 1 ? dval : T(0);
+  }
+
+  // This lane's two elements: (row, col) and (row, col + 1) of detail::simdgroup_matrix_slot.
+  vec<T, 2>& thread_elements() { return e_; }
+  const vec<T, 2>& thread_elements() const { return e_; }
+
+ private:
+  vec<T, 2> e_;
+};
+using simdgroup_float8x8 = simdgroup_matrix<float, 8, 8>;
+using simdgroup_half8x8 = simdgroup_matrix<half, 8, 8>;
+using simdgroup_bfloat8x8 = simdgroup_matrix<bfloat, 8, 8>;
+
+template <class T, int Cols, int Rows = Cols>
+simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(const std::type_identity_t<T> value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  m.thread_elements() = vec<T, 2>(value, value);
+  return m;
+}
+
+namespace detail {
+// One lane's arguments of a simdgroup_load/store; the op's compute step reads every lane's.
+template <class Ptr, class T> struct matrix_transfer {
+  const Ptr* ptr;
+  ulong elements_per_row, origin_col, origin_row;
+  bool transpose;
+  vec<T, 2>* elements;  // the lane's two elements (load: written, store: read)
+};
+
+template <class Ptr> uintptr_t space_of(const Ptr& p) {
+  if constexpr (requires { p.buffer(); }) return reinterpret_cast<uintptr_t>(p.buffer());
+  else return p.region().begin;
+}
+
+// Waits for every lane of the simdgroup at this op, then (in whichever lane resumes first) runs
+// compute(args) with each lane's argument struct. Every lane must take part.
+template <class Args, class Compute>
+void simdgroup_matrix_collective(const char* name, const std::source_location& site, const Args& mine,
+                                 Compute&& compute) {
+  const Args* mine_ptr = &mine;
+  SimdGroup& sg = tree_attn::sim::detail::simd_arrive(name, site, &mine_ptr, sizeof(mine_ptr), 0);
+  if (sg.computed == sg.completed) return;
+  sg.computed = sg.completed;
+  if (sg.op_mask != 0xffffffffu) {
+    char msg[240];
+    std::snprintf(msg, sizeof msg,
+                  "%s (%s:%u) outside uniform simd-group control flow: only lanes with mask 0x%08x reached it, "
+                  "the others returned (every lane of the simdgroup must call it together)",
+                  name, site.file_name(), unsigned(site.line()), sg.op_mask);
+    tree_attn::sim::detail::simd_fault(msg);
+  }
+  const Args* args[32];
+  for (int l = 0; l < 32; ++l) args[l] = slot_get<const Args*>(sg.values[l]);
+  compute(args);
+}
+
+// Faults, as lane `lane`, when its arguments differ from lane 0's.
+template <class Ptr, class T>
+void check_uniform_transfer(const char* name, const std::source_location& site, const matrix_transfer<Ptr, T>* const* a) {
+  for (uint32_t l = 1; l < 32; ++l) {
+    const char* what = nullptr;
+    if (a[l]->ptr->address() != a[0]->ptr->address() || space_of(*a[l]->ptr) != space_of(*a[0]->ptr)) what = "pointer";
+    else if (a[l]->elements_per_row != a[0]->elements_per_row) what = "elements_per_row";
+    else if (a[l]->origin_col != a[0]->origin_col || a[l]->origin_row != a[0]->origin_row) what = "matrix_origin";
+    else if (a[l]->transpose != a[0]->transpose) what = "transpose_matrix";
+    if (what) {
+      char msg[320];
+      std::snprintf(msg, sizeof msg,
+                    "%s (%s:%u) with a non-uniform %s: lane %u passes a different value from lane 0 (it must be "
+                    "the same in every lane of the simdgroup)",
+                    name, site.file_name(), unsigned(site.line()), what, l);
+      const tree_attn::sim::detail::LaneScope as_lane(l);
+      tree_attn::sim::detail::simd_fault(msg);
+    }
+  }
+}
+
+// Element index in the source/destination of matrix element (r, c). matrix_origin is
+// (column, row) in the source, as in MSL; with transpose_matrix the matrix's rows are the
+// source's columns.
+template <class Ptr, class T>
+ptrdiff_t transfer_index(const matrix_transfer<Ptr, T>& a, uint32_t r, uint32_t c) {
+  const ulong src_row = a.origin_row + (a.transpose ? c : r);
+  const ulong src_col = a.origin_col + (a.transpose ? r : c);
+  return ptrdiff_t(src_row * a.elements_per_row + src_col);
+}
+
+template <class T, class Ptr>
+void simdgroup_load_impl(const char* name, vec<T, 2>& d, const Ptr& src, ulong elements_per_row, ulong2 origin,
+                         bool transpose, const std::source_location& site) {
+  const matrix_transfer<Ptr, T> mine{&src, elements_per_row, origin.x, origin.y, transpose, &d};
+  simdgroup_matrix_collective(name, site, mine, [&](const matrix_transfer<Ptr, T>* const* a) {
+    check_uniform_transfer(name, site, a);
+    for (uint32_t l = 0; l < 32; ++l) {
+      const tree_attn::sim::detail::LaneScope as_lane(l);
+      const matrix_slot s = simdgroup_matrix_slot(l);
+      for (uint32_t k = 0; k < 2; ++k) (*a[l]->elements)[int(k)] = T((*a[0]->ptr)[transfer_index(*a[0], s.row, s.col + k)]);
+    }
+  });
+}
+
+template <class T, class Ptr>
+void simdgroup_store_impl(const char* name, const vec<T, 2>& e, const Ptr& dst, ulong elements_per_row, ulong2 origin,
+                          bool transpose, const std::source_location& site) {
+  const matrix_transfer<Ptr, T> mine{&dst, elements_per_row, origin.x, origin.y, transpose, const_cast<vec<T, 2>*>(&e)};
+  simdgroup_matrix_collective(name, site, mine, [&](const matrix_transfer<Ptr, T>* const* a) {
+    check_uniform_transfer(name, site, a);
+    for (uint32_t l = 0; l < 32; ++l) {
+      const tree_attn::sim::detail::LaneScope as_lane(l);
+      const matrix_slot s = simdgroup_matrix_slot(l);
+      for (uint32_t k = 0; k < 2; ++k) (*a[0]->ptr)[transfer_index(*a[0], s.row, s.col + k)] = (*a[l]->elements)[int(k)];
+    }
+  });
+}
+
+// The element types simdgroup_multiply(_accumulate) accepts: each matrix float, half or bfloat,
+// with half and bfloat never mixed in one call (as for scalar arithmetic).
+template <class... T>
+inline constexpr bool mma_types_v = (matrix_element_v<T> && ...) &&
+                                    !((std::is_same_v<T, half> || ...) && (std::is_same_v<T, bfloat> || ...));
+
+template <class TD, class TA, class TB, class TC> struct mma_args {
+  vec<TD, 2>* d;
+  const vec<TA, 2>* a;
+  const vec<TB, 2>* b;
+  const vec<TC, 2>* c;  // null: simdgroup_multiply
+};
+
+// D = A * B (+ C), every product and sum in float: d(i, j) = ((c(i, j) + a(i, 0) b(0, j)) +
+// a(i, 1) b(1, j)) + ... + a(i, 7) b(7, j), each operation rounded to float (no FMA), then
+// rounded once to D's element type. The GPU's summation order and fusing are unspecified:
+// compare with tolerances. D may be any of A, B, C (everything is read before D is written).
+template <class TD, class TA, class TB, class TC>
+void simdgroup_mma_impl(const char* name, const mma_args<TD, TA, TB, TC>& mine, const std::source_location& site) {
+  simdgroup_matrix_collective(name, site, mine, [&](const mma_args<TD, TA, TB, TC>* const* args) {
+    float a[8][8], b[8][8], acc[8][8];
+    for (uint32_t l = 0; l < 32; ++l) {
+      const matrix_slot s = simdgroup_matrix_slot(l);
+      for (uint32_t k = 0; k < 2; ++k) {
+        a[s.row][s.col + k] = float((*args[l]->a)[int(k)]);
+        b[s.row][s.col + k] = float((*args[l]->b)[int(k)]);
+        acc[s.row][s.col + k] = args[l]->c ? float((*args[l]->c)[int(k)]) : 0.0f;
+      }
+    }
+    ++tree_attn::sim::detail::current_thread()->counters->simdgroup_mmas;
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 8; ++k) {
+          const float p = a[i][k] * b[k][j];
+          acc[i][j] = (args[0]->c || k > 0) ? acc[i][j] + p : p;
+        }
+    for (uint32_t l = 0; l < 32; ++l) {
+      const matrix_slot s = simdgroup_matrix_slot(l);
+      for (uint32_t k = 0; k < 2; ++k) (*args[l]->d)[int(k)] = TD(acc[s.row][s.col + k]);
+    }
+  });
+}
+}  // namespace detail
+
+#define TREE_ATTN_SIM_SITE std::source_location site = std::source_location::current()
+template <class T, int C, int R>
+void simdgroup_load(simdgroup_matrix<T, C, R>& d, std::type_identity_t<device_ptr<const T>> src, ulong elements_per_row = C,
+                    ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false, TREE_ATTN_SIM_SITE) {
+  detail::simdgroup_load_impl<T>("simdgroup_load", d.thread_elements(), src, elements_per_row, matrix_origin,
+                                 transpose_matrix, site);
+}
+template <class T, int C, int R>
+void simdgroup_load(simdgroup_matrix<T, C, R>& d, std::type_identity_t<threadgroup_ptr<const T>> src,
+                    ulong elements_per_row = C, ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                    TREE_ATTN_SIM_SITE) {
+  detail::simdgroup_load_impl<T>("simdgroup_load", d.thread_elements(), src, elements_per_row, matrix_origin,
+                                 transpose_matrix, site);
+}
+template <class T, int C, int R>
+void simdgroup_store(const simdgroup_matrix<T, C, R>& a, std::type_identity_t<device_ptr<T>> dst, ulong elements_per_row = C,
+                     ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false, TREE_ATTN_SIM_SITE) {
+  detail::simdgroup_store_impl<T>("simdgroup_store", a.thread_elements(), dst, elements_per_row, matrix_origin,
+                                  transpose_matrix, site);
+}
+template <class T, int C, int R>
+void simdgroup_store(const simdgroup_matrix<T, C, R>& a, std::type_identity_t<threadgroup_ptr<T>> dst,
+                     ulong elements_per_row = C, ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                     TREE_ATTN_SIM_SITE) {
+  detail::simdgroup_store_impl<T>("simdgroup_store", a.thread_elements(), dst, elements_per_row, matrix_origin,
+                                  transpose_matrix, site);
+}
+template <class TD, class TA, class TB, class TC>
+  requires detail::mma_types_v<TD, TA, TB, TC>
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
+                                   const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c,
+                                   TREE_ATTN_SIM_SITE) {
+  detail::simdgroup_mma_impl("simdgroup_multiply_accumulate",
+                             detail::mma_args<TD, TA, TB, TC>{&d.thread_elements(), &a.thread_elements(),
+                                                              &b.thread_elements(), &c.thread_elements()},
+                             site);
+}
+template <class TD, class TA, class TB>
+  requires detail::mma_types_v<TD, TA, TB>
+void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
+                        const simdgroup_matrix<TB, 8, 8>& b, TREE_ATTN_SIM_SITE) {
+  detail::simdgroup_mma_impl("simdgroup_multiply",
+                             detail::mma_args<TD, TA, TB, TD>{&d.thread_elements(), &a.thread_elements(),
+                                                              &b.thread_elements(), nullptr},
+                             site);
+}
+#undef TREE_ATTN_SIM_SITE
+
+
+// ---------------------------------------------------------------------------------------------
+// Function constants (MSL §5.8.1): `constant T name [[function_constant(i)]];` becomes a
+// function_constant<T> that reads the launch's value at each use (the simulator has one
+// compiled kernel for every specialisation, so the value is not a compile-time constant: a use
+// where C++ needs one, such as an array size or a template argument, does not compile). Using
+// one the launch gave no value is a fault naming it; is_function_constant_defined() tests it.
+// A program-scope constant computed from function constants is a function_constant_expr<T>,
+// recomputed at each use.
+// ---------------------------------------------------------------------------------------------
+namespace detail {
+template <class T> constexpr tree_attn::FunctionConstantType function_constant_type() {
+  using tree_attn::FunctionConstantType;
+  if constexpr (std::is_same_v<T, bool>) return FunctionConstantType::Bool;
+  else if constexpr (std::is_same_v<T, char> || std::is_same_v<T, signed char>) return FunctionConstantType::Char;
+  else if constexpr (std::is_same_v<T, uchar>) return FunctionConstantType::UChar;
+  else if constexpr (std::is_same_v<T, short>) return FunctionConstantType::Short;
+  else if constexpr (std::is_same_v<T, ushort>) return FunctionConstantType::UShort;
+  else if constexpr (std::is_same_v<T, int>) return FunctionConstantType::Int;
+  else if constexpr (std::is_same_v<T, uint>) return FunctionConstantType::UInt;
+  else if constexpr (std::is_same_v<T, half>) return FunctionConstantType::Half;
+  else if constexpr (std::is_same_v<T, float>) return FunctionConstantType::Float;
+  else static_assert(sizeof(T) == 0, "function constants are bool, char, uchar, short, ushort, int, uint, half or float");
+}
+
+template <class T> class function_constant {
+ public:
+  static_assert(sizeof(T) <= sizeof(tree_attn::sim::detail::ConstantSlot::bytes));
+  constexpr function_constant(uint32_t slot, uint32_t index, const char* name) : slot_(slot), index_(index), name_(name) {}
+  function_constant(const function_constant&) = delete;
+
+  operator T() const {
+    const tree_attn::sim::detail::ConstantSlot& s = slot();
+    if (!s.defined) tree_attn::sim::detail::function_constant_undefined(name_, index_);
+    T v;
+    std::memcpy(&v, s.bytes, sizeof(T));
+    return v;
+  }
+  // half and bfloat reach float in one conversion, as a half variable does.
+  template <class U = T>
+    requires is_lowp_v<U>
+  operator float() const {
+    return float(T(*this));
+  }
+  bool defined() const { return slot().defined; }
+
+ private:
+  const tree_attn::sim::detail::ConstantSlot& slot() const {
+    return tree_attn::sim::detail::current_thread()->constants[slot_];
+  }
+  uint32_t slot_, index_;
+  const char* name_;
+};
+
+template <class T> class function_constant_expr {
+ public:
+  using Fn = T (*)();
+  explicit constexpr function_constant_expr(Fn f) : f_(f) {}
+  function_constant_expr(const function_constant_expr&) = delete;
+  operator T() const { return f_(); }
+
+ private:
+  Fn f_;
+};
+}  // namespace detail
+
+template <class T> bool is_function_constant_defined(const detail::function_constant<T>& c) { return c.defined(); }
 }  // namespace metal
 
 // MSL spellings of constants and qualifiers the C++ headers do not provide.

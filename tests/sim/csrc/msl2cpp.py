@@ -57,18 +57,9 @@ CXX_ATTRIBUTES = {"maybe_unused", "likely", "unlikely", "nodiscard", "fallthroug
 # Identifiers whose presence means the source uses something the simulator does not model.
 REJECTED_IDENTIFIERS = {
     "double": "double is not an MSL type",
-    "simdgroup_matrix": "simdgroup_matrix is not supported by the simulator",
-    "simdgroup_float8x8": "simdgroup_matrix types are not supported by the simulator",
-    "simdgroup_half8x8": "simdgroup_matrix types are not supported by the simulator",
-    "simdgroup_bfloat8x8": "simdgroup_matrix types are not supported by the simulator",
-    "simdgroup_load": "simdgroup_matrix loads are not supported by the simulator",
-    "simdgroup_store": "simdgroup_matrix stores are not supported by the simulator",
-    "simdgroup_multiply": "simdgroup_matrix math is not supported by the simulator",
-    "simdgroup_multiply_accumulate": "simdgroup_matrix math is not supported by the simulator",
     "imageblock": "imageblocks are not supported",
     "sampler": "textures and samplers are not supported",
     "visible_function_table": "function tables are not supported",
-    "function_constant": "function constants are not supported",
 }
 REJECTED_PREFIXES = {
     "atomic": "atomics are not supported (the kernels must be deterministic without them)",
@@ -140,6 +131,7 @@ class Translator:
         self.kernel_templates: dict[str, tuple[list[Param], int]] = {}  # name -> (params, max threads)
         self.tg_sites = 0
         self.consumed_attrs: set[int] = set()
+        self.function_constants: list[tuple[str, str, int]] = []  # (name, type, index), slot = position
 
     # ------------------------------------------------------------------ errors / helpers
     def error(self, line: int, message: str):
@@ -362,8 +354,8 @@ class Translator:
                 continue
             name, rest = m.group(1), m.group(2).strip()
             if name == "include":
-                if rest == "<metal_stdlib>":
-                    t.out = "// #include <metal_stdlib>: provided by sim/msl.h"
+                if rest in ("<metal_stdlib>", "<metal_simdgroup_matrix>"):
+                    t.out = f"// #include {rest}: provided by sim/msl.h"
                 elif rest.startswith("<"):
                     self.error(t.line, f"#include {rest}: only <metal_stdlib> is supported (and project headers in quotes)")
                 elif rest.startswith('"'):
@@ -546,6 +538,86 @@ class Translator:
         sub.rewrite_address_spaces(inside_define=True)
         return "#define" + "".join(tok.emit() for tok in sub.tokens) + sub.trailing
 
+    # ------------------------------------------------------------------ function constants
+    FUNCTION_CONSTANT_TYPES = ("bool", "char", "uchar", "short", "ushort", "int", "uint", "half", "float")
+
+    def translate_function_constants(self):
+        """`constant T name [[function_constant(i)]];` -> a metal::detail::function_constant<T>
+        that reads the launch's value when used; a program-scope `constant T x = ...;` whose
+        initializer uses one (or is_function_constant_defined) -> a function_constant_expr<T>,
+        evaluated at each use (there is no value before a launch)."""
+        depth = 0
+        i = 0
+        n = len(self.tokens)
+        dependent = {"is_function_constant_defined"}
+        while i < n:
+            t = self.tokens[i]
+            if t.kind == "punct" and t.text in ("{", "}"):
+                depth += 1 if t.text == "{" else -1
+            if not (t.kind == "id" and t.text == "constant"):
+                i += 1
+                continue
+            end = i
+            while end < n and not self.is_(end, ";") and not self.is_(end, "{"):
+                end += 1
+            attrs = [k for k in range(i, end) if self.tokens[k].kind == "attr"
+                     and re.match(r"function_constant\b", self.tokens[k].text)]
+            if attrs:
+                self.declare_function_constant(i, end, attrs[0], depth)
+                dependent.add(self.function_constants[-1][0])
+                i = end + 1
+                continue
+            eq = next((k for k in range(i, end) if self.is_(k, "=")), None)
+            # A declaration statement (not a parameter: no '(' before its '=').
+            if depth == 0 and eq is not None and self.is_(end, ";") and not any(
+                    self.is_(k, "(") for k in range(i, eq)) and any(
+                    self.tokens[k].kind == "id" and self.tokens[k].text in dependent for k in range(eq + 1, end)):
+                if any(self.is_(k, "*") or self.is_(k, "&") or self.is_(k, "[") for k in range(i + 1, eq)):
+                    self.error(t.line, "a program-scope constant computed from function constants must be a scalar")
+                name = self.tokens[eq - 1]
+                ctype = self.source_text(i + 1, eq - 1, translated=True).replace("constexpr", "").strip()
+                t.out = f"static const ::metal::detail::function_constant_expr<{ctype}>"
+                for k in range(i + 1, eq - 1):
+                    self.tokens[k].out = ""
+                self.tokens[eq].out = f"{{+[]() -> {ctype} {{ return {ctype}("
+                self.tokens[end].out = "); }};"
+                dependent.add(name.text)
+                i = end + 1
+                continue
+            i += 1
+
+    def declare_function_constant(self, i: int, end: int, attr: int, depth: int):
+        line = self.tokens[i].line
+        a = self.tokens[attr]
+        m = re.fullmatch(r"function_constant\(\s*(\d+)\s*\)", a.text)
+        if not m:
+            self.error(line, f"[[{a.text}]]: expected [[function_constant(index)]] with an integer index")
+        if depth != 0:
+            self.error(line, "function constants must be declared at program scope")
+        if attr != end - 1 or not self.is_(end, ";") or self.tokens[attr - 1].kind != "id":
+            self.error(line, "expected `constant T name [[function_constant(i)]];` (no initializer)")
+        name = self.tokens[attr - 1].text
+        ctype = self.source_text(i + 1, attr - 1)
+        if ctype not in self.FUNCTION_CONSTANT_TYPES:
+            self.error(line, f"function constant '{name}': type '{ctype}' is not supported (one of "
+                             f"{', '.join(self.FUNCTION_CONSTANT_TYPES)})")
+        index = int(m.group(1))
+        for other, _, other_index in self.function_constants:
+            if other_index == index:
+                self.error(line, f"function constants '{other}' and '{name}' share [[function_constant({index})]]")
+        slot = len(self.function_constants)
+        self.function_constants.append((name, ctype, index))
+        self.consumed_attrs.add(attr)
+        self.replace_range(i, end, f'static constexpr ::metal::detail::function_constant<{ctype}> {name}{{{slot}, {index}, "{name}"}}')
+
+    def function_constant_table(self) -> str:
+        if not self.function_constants:
+            return ""
+        rows = ",\n    ".join(f'{{"{n}", {i}, ::metal::detail::function_constant_type<{t}>()}}'
+                              for n, t, i in self.function_constants)
+        return ("constexpr ::tree_attn::sim::detail::FunctionConstantInfo tree_attn_sim_function_constants[] = {\n    "
+                + rows + "};\n\n")
+
     def find_kernels(self):
         """Parse kernel definitions and explicit instantiations at file scope."""
         i, depth = 0, 0
@@ -724,7 +796,7 @@ class Translator:
                 depth += 1
             elif t.kind == "punct" and t.text == "}":
                 depth -= 1
-            elif t.kind == "id" and t.text in ADDRESS_SPACES:
+            elif t.kind == "id" and t.text in ADDRESS_SPACES and t.out is None:
                 i = self.rewrite_address_space(i, depth, inside_define)
                 continue
             i += 1
@@ -892,7 +964,9 @@ class Translator:
             lines.append(f"constexpr ::tree_attn::sim::detail::ParamInfo {table}[] = {{\n    " + ",\n    ".join(infos) + "};")
         lines.append(f"const ::tree_attn::sim::detail::KernelRegistrar tree_attn_sim_register_{index}{{"
                      f'::tree_attn::sim::detail::KernelEntry{{"{k.host_name}", &{fn}, '
-                     f"{table if infos else 'nullptr'}, {len(infos)}, {k.max_threads}, \"{self.filename}\"}}}};")
+                     f"{table if infos else 'nullptr'}, {len(infos)}, {k.max_threads}, \"{self.filename}\", "
+                     + (f"tree_attn_sim_function_constants, {len(self.function_constants)}"
+                        if self.function_constants else "nullptr, 0") + "}};")
         return "\n".join(lines)
 
     def translate(self) -> str:
@@ -901,6 +975,7 @@ class Translator:
         self.check_identifiers_and_literals()
         self.preprocess_directives()
         self.find_kernels()
+        self.translate_function_constants()
         self.check_remaining_attributes()
         self.rewrite_address_spaces()
         names = [k.host_name for k in self.kernels]
@@ -909,7 +984,7 @@ class Translator:
             self.error(1, f"kernel name(s) defined twice: {', '.join(sorted(dups))}")
         # Launchers take their parameter types from the translated tokens: build them before
         # the instantiations are blanked out.
-        launchers = "\n\n".join(self.launcher(i, k) for i, k in enumerate(self.kernels))
+        launchers = self.function_constant_table() + "\n\n".join(self.launcher(i, k) for i, k in enumerate(self.kernels))
         self.remove_instantiations()
         body = "".join(t.emit() for t in self.tokens) + self.trailing
         header = [

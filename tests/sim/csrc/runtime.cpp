@@ -137,6 +137,7 @@ struct LaunchShared {
   size_t tg_sizes[kMaxThreadgroupIndex + 1];
   bool tg_bound[kMaxThreadgroupIndex + 1];
   size_t dynamic_tg_bytes = 0;
+  std::vector<ConstantSlot> constants;  // by the kernel's function-constant slot
   std::vector<std::unique_ptr<std::max_align_t[]>> inline_data;
   std::atomic<bool> stop{false};
 };
@@ -152,6 +153,7 @@ struct Worker {
   std::vector<std::pair<const TgSite*, TgRegion>> declared;
   std::vector<TgRegion> regions;  // every region of the current threadgroup, for lookups
 
+  OpCounters counters;
   ThreadCtx threads[kMaxThreadsPerThreadgroup];
   SimdGroup simd[kMaxThreadsPerThreadgroup / kSimdWidth];
   std::vector<std::unique_ptr<Stack>> stacks;
@@ -257,6 +259,7 @@ void Worker::prepare(const LaunchShared& shared) {
   stores.clear();
   loads.clear();
   std::memcpy(buffers, shared.buffers, sizeof(buffers));
+  counters = OpCounters{};
   fault = nullptr;
   fault_tg = UINT64_MAX;
   const size_t want = env_size("TREE_ATTN_SIM_STACK_KIB", 256) * 1024;
@@ -268,6 +271,8 @@ void Worker::prepare(const LaunchShared& shared) {
   for (uint32_t i = 0; i < shared.num_threads; ++i) {
     ThreadCtx& t = threads[i];
     t.worker = this;
+    t.counters = &counters;
+    t.constants = shared.constants.data();
     t.tg_shadow = shadow.data();
     t.tg_arena = reinterpret_cast<uintptr_t>(arena);
     t.tg_epoch = &epoch;
@@ -401,6 +406,11 @@ void Worker::deadlock() {
 // Hooks called from translated kernels (declared in exec.h / kernel_registry.h)
 // ---------------------------------------------------------------------------------------------
 ThreadCtx* current_thread() { return tls_thread; }
+
+LaneScope::LaneScope(uint32_t lane) : saved_(tls_thread) {
+  tls_thread = &saved_->worker->threads[saved_->simd * kSimdWidth + lane];
+}
+LaneScope::~LaneScope() { tls_thread = saved_; }
 
 SimdGroup& simd_arrive(const char* op_name, const Site& site, const void* value, uint32_t size, uint32_t arg) {
   ThreadCtx* t = tls_thread;
@@ -587,6 +597,12 @@ void threadgroup_fault(const TgRegion& region, uintptr_t addr, size_t size, cons
 
 void simd_fault(const char* message) { fault_here(message); }
 
+void function_constant_undefined(const char* name, uint32_t index) {
+  fault_here(std::string("function constant '") + name + "' [[function_constant(" + std::to_string(index) +
+             ")]] is used but the launch gives it no value (set it, or test is_function_constant_defined(" + name +
+             ") before using it)");
+}
+
 void device_store_track(uintptr_t addr, size_t size) {
   ThreadCtx* t = tls_thread;
   Worker* w = t->worker;
@@ -734,6 +750,41 @@ std::string param_desc(const ParamInfo& p) { return std::string("'") + p.name + 
   throw std::runtime_error(std::string("metal simulator: kernel '") + k.name + "': " + what);
 }
 
+std::string declared_constants(const KernelEntry& k) {
+  if (k.num_constants == 0) return "none";
+  std::string s;
+  for (size_t i = 0; i < k.num_constants; ++i)
+    s += (i ? ", " : "") + std::string(k.constants[i].name) + " (" + std::to_string(k.constants[i].index) + ", " +
+         function_constant_type_name(k.constants[i].type) + ")";
+  return s;
+}
+
+// Every given value must be for a [[function_constant]] of the kernel's file, of its type.
+void bind_function_constants(const LaunchDesc& desc, const KernelEntry& k, LaunchShared& L) {
+  L.constants.assign(std::max<size_t>(k.num_constants, 1), ConstantSlot{});
+  for (size_t a = 0; a < desc.constants.size(); ++a) {
+    const FunctionConstant& c = desc.constants[a];
+    const std::string what = "function constant index " + std::to_string(c.index);
+    for (size_t b = 0; b < a; ++b)
+      if (desc.constants[b].index == c.index) launch_error(k, what + " is given twice");
+    size_t slot = k.num_constants;
+    for (size_t j = 0; j < k.num_constants; ++j)
+      if (k.constants[j].index == c.index) slot = j;
+    if (slot == k.num_constants)
+      launch_error(k, what + " (" + function_constant_type_name(c.type) + ") is given, but " + k.source +
+                          " declares no [[function_constant(" + std::to_string(c.index) + ")]]; it declares: " +
+                          declared_constants(k));
+    const FunctionConstantInfo& info = k.constants[slot];
+    if (info.type != c.type)
+      launch_error(k, what + " is given as " + function_constant_type_name(c.type) + ", but '" + info.name +
+                          "' is declared " + function_constant_type_name(info.type));
+    if (c.type == FunctionConstantType::Bool && c.bytes[0] > 1)
+      launch_error(k, what + " ('" + info.name + "'): a bool's byte must be 0 or 1, got " + std::to_string(c.bytes[0]));
+    L.constants[slot].defined = true;
+    std::memcpy(L.constants[slot].bytes, c.bytes, sizeof(c.bytes));
+  }
+}
+
 void validate_and_bind(const LaunchDesc& desc, const KernelEntry& k, LaunchShared& L) {
   uint64_t n = 1;
   for (int d = 0; d < 3; ++d) {
@@ -772,6 +823,8 @@ void validate_and_bind(const LaunchDesc& desc, const KernelEntry& k, LaunchShare
     launch_error(k, "threadgroup memory " + std::to_string(total) + " bytes exceeds the " +
                         std::to_string(kMaxThreadgroupMemory) + "-byte limit");
   L.dynamic_tg_bytes = total;
+
+  bind_function_constants(desc, k, L);
 
   // Buffers.
   for (int i = 0; i <= kMaxBufferIndex; ++i) L.buffers[i] = BufferState{};
@@ -912,6 +965,11 @@ LaunchStats launch(const LaunchDesc& desc) {
       stats.device_bytes_read += b.bytes_read;
       stats.device_bytes_written += b.bytes_written;
     }
+    stats.threadgroup_bytes_read += w->counters.threadgroup_bytes_read;
+    stats.threadgroup_bytes_written += w->counters.threadgroup_bytes_written;
+    stats.simdgroup_mmas += w->counters.simdgroup_mmas;
+    stats.scalar_fmas += w->counters.scalar_fmas;
+    stats.shuffles += w->counters.shuffles;
     w->fault = nullptr;
     w->launch = nullptr;
   }

@@ -10,7 +10,8 @@
 //
 // Debug ops for tests and reports (CPU tensors, same arguments as forward):
 //   launch_plan -> str  the plan and its traffic model as JSON
-//   traffic -> str      counted vs modelled bytes of each launch, as JSON
+//   traffic -> str      counted vs modelled bytes of each launch, and all its counters
+//                       (runtime.h counter_items), as JSON
 // (`launch` and `kernels`, the raw simulator, are in sim_ops.cpp.)
 #include <torch/library.h>
 
@@ -75,6 +76,7 @@ std::vector<LaunchRecord> run_plan(const Prepared& in, const Plan& plan, at::Ten
     desc.grid = launch.grid;
     desc.threads = launch.threads;
     if (launch.threadgroup_memory_bytes) desc.threadgroup_memory[0] = launch.threadgroup_memory_bytes;
+    desc.constants = launch.constants;
     for (const BufferBinding& b : launch.buffers) {
       sim::Binding binding;
       if (b.role == BufferRole::Params) {
@@ -145,7 +147,13 @@ std::string traffic_json(TREE_ATTN_ARGS_DECL) {
     const LaunchRecord& r = records[i];
     s << (i ? ", " : "") << "{\"kernel\": \"" << r.kernel << "\", \"counted_read\": " << r.counted.device_bytes_read
       << ", \"counted_written\": " << r.counted.device_bytes_written << ", \"modelled_read\": " << r.modelled_read
-      << ", \"modelled_written\": " << r.modelled_written << "}";
+      << ", \"modelled_written\": " << r.modelled_written << ", \"counters\": {";
+    bool first = true;
+    for (const auto& [name, value] : sim::counter_items(r.counted)) {
+      s << (first ? "" : ", ") << "\"" << name << "\": " << value;
+      first = false;
+    }
+    s << "}}";
   }
   s << "], \"plan\": " << plan_to_json(in, plan, visibility_of(in)) << "}";
   return s.str();

@@ -36,6 +36,24 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
 @property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
 @end
 
+// ---- MTLArgument.h (the scalar data types function constants use here)
+typedef NS_ENUM(NSUInteger, MTLDataType){
+    MTLDataTypeFloat = 3,
+    MTLDataTypeHalf = 16,
+    MTLDataTypeInt = 29,
+    MTLDataTypeUInt = 33,
+    MTLDataTypeShort = 37,
+    MTLDataTypeUShort = 41,
+    MTLDataTypeChar = 45,
+    MTLDataTypeUChar = 49,
+    MTLDataTypeBool = 53,
+};
+
+// ---- MTLFunctionConstantValues.h
+@interface MTLFunctionConstantValues : NSObject <NSCopying>
+- (void)setConstantValue:(const void*)value type:(MTLDataType)type atIndex:(NSUInteger)index;
+@end
+
 @protocol MTLFunction <NSObject>
 @property(readonly) id<MTLDevice> device;
 @property(readonly) NSString* name;
@@ -45,6 +63,9 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
 @property(readonly) id<MTLDevice> device;
 @property(readonly) NSArray<NSString*>* functionNames;
 - (nullable id<MTLFunction>)newFunctionWithName:(NSString*)functionName;
+- (nullable id<MTLFunction>)newFunctionWithName:(NSString*)name
+                                 constantValues:(MTLFunctionConstantValues*)constantValues
+                                          error:(__autoreleasing NSError* _Nullable* _Nullable)error;
 @end
 
 // ---- MTLComputePipeline.h
