@@ -1,14 +1,17 @@
 // Tree attention for speculative-decoding verification: a main pass over key splits and
 // a reduce pass that merges the splits. The launch geometry, buffer bindings and the
-// traffic model live in csrc/plan.h; the parameter block in tree_attn_params.h.
+// traffic model live in csrc/metal/plan.h and tests/sim/csrc/traffic.h; the parameter block in tree_attn_params.h.
 //
-// Written in the conservative MSL subset the CPU simulator (tests/sim) executes: scalar
-// device loads and stores, simd_* collectives, threadgroup barriers. Scores use -INFINITY
+// Written in the MSL subset the CPU simulator (tests/sim) executes: device loads and
+// stores, simd_* collectives, simdgroup matrices, threadgroup barriers. Two main kernels:
+// the vector kernel (tree_attn_main, v1) and the simdgroup-matrix kernel (tree_attn_mma, v2);
+// csrc/metal/plan.cpp chooses. Scores use -INFINITY
 // as "masked" and partials use NaN as "poisoned"; the host must compile this source with
 // fast math off so the comparisons against -INFINITY and the isfinite/isnan tests below
 // keep their meaning.
 #include <metal_stdlib>
 #include "tree_attn_params.h"
+#include "tree_attn_kernels.h"
 
 using namespace metal;
 
@@ -35,7 +38,7 @@ inline float mask_bias(uchar attend) { return attend != 0 ? 0.0f : -INFINITY; }
 inline float mask_bias(float bias) { return bias; }
 
 // ---------------------------------------------------------------------------------------
-// Main pass.
+// Main pass, vector kernel (v1, kernels tree_attn_main_*).
 //
 // Threadgroup (split s, row block rb, batch row b * Hkv + kv head h): the rows of kv head
 // h are its G x T (query head, tree node) pairs, row = g * T + t; the block is rows
@@ -275,6 +278,322 @@ template <typename QT, typename KVT, int D, typename MaskT>
 }
 
 // ---------------------------------------------------------------------------------------
+// Main pass, simdgroup-matrix kernel (v2, kernels tree_attn_mma_*). Same bindings, grid
+// layout (split, row block, batch row * Hkv + kv head), partials and key splits as the
+// vector kernel above; only the tiling and the arithmetic differ.
+//
+// Tiling plan. A threadgroup owns rows [64 rb, 64 rb + 64) of kv head h's G x T rows
+// (row = g * T + t) and walks the keys of its split in chunks of 32. Its 8 simdgroups own
+// 8 rows each: simdgroup k holds rows [8k, 8k + 8) of the block as D/8 8x8 float matrices
+// of query (pre-scaled) and D/8 of output accumulator, and their online softmax, where
+// lane j owns key j of each chunk (as in the vector kernel). Per chunk:
+//   1. K is staged as float in a padded tile [32 keys][SLICE_D + 4], in slices of at most
+//      128 head dims: simdgroup k stages keys 4k..4k+3, its lanes read 4-vectors of a key
+//      row side by side (contiguous device loads);
+//   2. S = Q K^T, 8 x 32 per simdgroup in 4 accumulators, D/8 products each, stored to the
+//      simdgroup's 8 rows of the score tile [64][32 + 4];
+//   3. the softmax reads the score tile lane = key and writes P in its place; the output
+//      accumulators are rescaled row by row through thread_elements();
+//   4. V is staged like K (non-finite elements as 0, flagged per key, see below) and
+//      O += P V: D/8 accumulators, 4 products each.
+// Traffic: each visible K and V byte is fetched from device memory once per threadgroup,
+// i.e. ceil(G * T / 64) times per call where the least possible is once; a chunk that the
+// window mask hides from every row of the block is never fetched. The query is read once
+// per live split, the mask once, partials written once, as by the vector kernel.
+// Threadgroup memory: TREE_ATTN_MMA_TILE_FLOATS(D) floats, 25.6 KB at D >= 128; rows padded
+// by 16 bytes against bank conflicts. Registers: D/4 floats of query and D/4 of
+// accumulator per lane (64 + 64 at D = 256). At D = 512 that would be 128 + 128, so D = 512
+// keeps the vector kernel (32 rows, 64 floats a lane).
+//
+// Precision: float32 products and accumulators. The MSL specification (3.1, section 6.7,
+// SIMD-group matrix functions) declares simdgroup_multiply_accumulate(d, a, b, c) with one
+// element type T for all four matrices, so half and bfloat K/V are not multiplied as
+// half/bfloat matrices into float accumulators: they are converted to float (exactly) as
+// they are staged. A float32 query stays float32.
+//
+// Non-finite values: the rules of the vector kernel's comment "Non-finite values", with
+// one more hazard. A matrix product mixes keys: in P V a NaN or inf value of a key some
+// row does not see would reach that row as 0 * NaN. So V staging replaces a non-finite
+// element by 0 (selection) and flags its key; a row that sees a flagged key is poisoned.
+// Q K^T mixes only head dims: entry (row, key) is the vector kernel's raw score, so the
+// same score test poisons exactly the rows that see a non-finite query or key element.
+// P holds exactly 0 for keys a row does not see (and for zero-filled keys past the
+// range). An accumulator can still overflow: any non-finite accumulator element poisons
+// its row at the end, as in the vector kernel.
+// ---------------------------------------------------------------------------------------
+
+// Where a lane's two elements sit in every 8x8 simdgroup matrix (the Apple GPU layout):
+// thread_elements()[i] is element (row y, column x + i).
+inline ushort2 mma_lane_position(ushort lane) {
+  const ushort quad = lane / 4;
+  return ushort2((quad & 2) * 2 + (lane % 2) * 2, (quad & 4) + (lane / 2) % 4);
+}
+
+// Stages keys [0, 32) of one head-dim slice of K or V, rows `stride` elements apart from
+// `src`, as float into tile[32][LD]; keys at or past `chunk_len` are zero-filled, never
+// read. Simdgroup k stages keys 4k..4k+3; lane l loads the 4-vectors l, l + 32, ... of a
+// key's slice. SANITISE: a non-finite element is staged as 0, and bit i of the result
+// (the same in every lane) is set when key 4k + i had one.
+template <typename KVT, int SLICE_D, int LD, bool SANITISE>
+inline uint mma_stage_slice(threadgroup float* tile, device const KVT* src, long stride, int chunk_len,
+                            bool vector_loads, ushort simd_index, ushort lane) {
+  constexpr int KEYS = TREE_ATTN_CHUNK_KEYS / TREE_ATTN_MMA_SIMDGROUPS;
+  constexpr int VECTORS = SLICE_D / 4;
+  uint flagged = 0;
+  for (int kk = 0; kk < KEYS; ++kk) {
+    const int k = int(simd_index) * KEYS + kk;
+    bool bad = false;
+    for (int c = int(lane); c < VECTORS; c += TREE_ATTN_SIMD_WIDTH) {
+      float4 v = float4(0.0f);
+      if (k < chunk_len) {
+        device const KVT* at = src + long(k) * stride + 4 * c;
+        if (vector_loads) {
+          v = float4(*((device const vec<KVT, 4>*)at));
+        } else {
+          v = float4(float(at[0]), float(at[1]), float(at[2]), float(at[3]));
+        }
+      }
+      if (SANITISE) {
+        const bool4 finite = isfinite(v);
+        bad = bad || !all(finite);
+        v = select(float4(0.0f), v, finite);
+      }
+      threadgroup float* dst = tile + k * LD + 4 * c;
+      dst[0] = v.x;
+      dst[1] = v.y;
+      dst[2] = v.z;
+      dst[3] = v.w;
+    }
+    if (SANITISE && simd_any(bad)) flagged |= 1u << kk;
+  }
+  return flagged;
+}
+
+template <typename QT, typename KVT, int D, typename MaskT>
+[[kernel]] void tree_attn_mma(
+    constant TreeAttnParams& p [[buffer(0)]],
+    device const QT* query [[buffer(1)]],
+    device const KVT* key [[buffer(2)]],
+    device const KVT* value [[buffer(3)]],
+    device const MaskT* mask [[buffer(4)]],
+    device const int* offsets [[buffer(5)]],
+    device float* partial_o [[buffer(6)]],  // [B, Hq, T, n_splits, D]
+    device float* partial_m [[buffer(7)]],  // [B, Hq, T, n_splits]
+    device float* partial_l [[buffer(8)]],  // [B, Hq, T, n_splits]
+    threadgroup float* tile [[threadgroup(0)]],  // TREE_ATTN_MMA_TILE_FLOATS(D)
+    uint3 group [[threadgroup_position_in_grid]],
+    ushort simd_index [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  constexpr int NSG = TREE_ATTN_MMA_SIMDGROUPS;
+  constexpr int ROWS = 8;  // per simdgroup: one row of 8x8 matrices
+  constexpr int CHUNK = TREE_ATTN_CHUNK_KEYS;
+  constexpr int SLICE_D = TREE_ATTN_MMA_SLICE_DIMS(D);
+  constexpr int SLICES = D / SLICE_D;
+  constexpr int LD_KV = SLICE_D + TREE_ATTN_MMA_PAD;  // K/V tile row, floats
+  constexpr int LD_S = CHUNK + TREE_ATTN_MMA_PAD;     // score tile row, floats
+  constexpr int DT = D / 8;                           // 8-dim matrices of a row's query / output
+  constexpr int SLICE_DT = SLICE_D / 8;
+  constexpr int KT = CHUNK / 8;                       // 8-key matrices of a chunk
+  constexpr int KEYS_PER_SIMDGROUP = CHUNK / NSG;     // staged by each simdgroup
+  static_assert(NSG * ROWS == TREE_ATTN_MMA_BLOCK_ROWS && D % SLICE_D == 0 && SLICE_D % 8 == 0, "tiling");
+
+  threadgroup float* kv_tile = tile;                            // [32][LD_KV]: K, then V
+  threadgroup float* score_tile = tile + CHUNK * LD_KV;         // [64][LD_S]: S, then P
+  threadgroup float* key_flag = score_tile + NSG * ROWS * LD_S;  // [32]: V of key j non-finite
+  threadgroup float* my_scores = score_tile + int(simd_index) * ROWS * LD_S;
+
+  const int split = int(group.x);
+  const int b = int(group.z) / p.Hkv;
+  const int h = int(group.z) % p.Hkv;
+  const int rows_per_head = p.G * p.T;
+
+  // Offsets clamped in the kernel, as in the vector kernel.
+  const int off = p.has_offsets != 0 ? clamp(offsets[b], 0, p.S) : 0;
+  const int visible_end = off + min(p.M, p.S - off);
+  const int begin = split * p.split_keys;
+  const int end = begin + clamp(visible_end - begin, 0, p.split_keys);
+
+  // The simdgroup's rows, for the softmax (lane = key) and the mask.
+  const int row0 = int(group.y) * TREE_ATTN_MMA_BLOCK_ROWS + int(simd_index) * ROWS;
+  bool row_valid[ROWS];
+  int row_head[ROWS];
+  int row_node[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    const int row = row0 + r;
+    row_valid[r] = row < rows_per_head;
+    row_head[r] = h * p.G + (row_valid[r] ? row / p.T : 0);
+    row_node[r] = row_valid[r] ? row % p.T : 0;
+  }
+
+  // This lane's elements of the simdgroup's matrices: row `mine.y`, columns mine.x, +1.
+  const ushort2 mine = mma_lane_position(lane);
+  const int my_row = row0 + int(mine.y);
+  const bool my_row_valid = my_row < rows_per_head;
+
+  simdgroup_float8x8 q[DT];  // rows x head dims 8i..8i+7, pre-scaled
+  simdgroup_float8x8 o[DT];  // rows x head dims 8i..8i+7
+  {
+    const int g = my_row_valid ? my_row / p.T : 0;
+    const int t = my_row_valid ? my_row % p.T : 0;
+    const long q_base = long(b) * p.q_stride_b + long(h * p.G + g) * p.q_stride_h + long(t) * p.q_stride_t;
+    const bool load = my_row_valid && begin < end;
+    for (int i = 0; i < DT; ++i) {
+      o[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int e = 0; e < 2; ++e) {
+        q[i].thread_elements()[e] = load ? float(query[q_base + 8 * i + int(mine.x) + e]) * p.scale : 0.0f;
+      }
+    }
+  }
+  float m[ROWS];      // running max of the scores (the same in every lane)
+  float l[ROWS];      // running sum of exp(score - m)
+  bool poison[ROWS];  // this lane's key of some chunk poisons the row
+  for (int r = 0; r < ROWS; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    poison[r] = false;
+  }
+
+  const long k_base = long(b) * p.k_stride_b + long(h) * p.k_stride_h;
+  const long v_base = long(b) * p.v_stride_b + long(h) * p.v_stride_h;
+  const bool vector_loads = p.kv_aligned4 != 0;
+
+  for (int chunk = begin; chunk < end; chunk += CHUNK) {
+    const int chunk_len = min(CHUNK, end - chunk);
+    const int key_index = chunk + int(lane);
+
+    // The bias each of my rows gives key `key_index` (as in the vector kernel).
+    float bias[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      if (key_index >= end || !row_valid[r]) {
+        bias[r] = -INFINITY;
+      } else if (key_index < off) {
+        bias[r] = 0.0f;
+      } else {
+        const long mask_index = long(b) * p.mask_stride_b + long(row_head[r]) * p.mask_stride_h +
+                                long(row_node[r]) * p.mask_stride_t +
+                                long(key_index - off) * p.mask_stride_m;
+        bias[r] = mask_bias(mask[mask_index]);
+      }
+    }
+
+    // Chunk skipping, decided for the whole threadgroup before K is fetched; the flags
+    // borrow the score tile, free between chunks.
+    if (chunk >= off) {
+      bool seen = false;
+      for (int r = 0; r < ROWS; ++r) seen = seen || !(bias[r] == -INFINITY);
+      const bool simdgroup_sees = simd_any(seen);
+      if (lane == 0) score_tile[simd_index] = simdgroup_sees ? 1.0f : 0.0f;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      bool block_sees = false;
+      for (int k = 0; k < NSG; ++k) block_sees = block_sees || score_tile[k] != 0.0f;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (!block_sees) continue;
+    }
+
+    // S = Q K^T, slice by slice of the head dim.
+    simdgroup_float8x8 s[KT];
+    for (int j = 0; j < KT; ++j) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int slice = 0; slice < SLICES; ++slice) {
+      if (slice > 0) threadgroup_barrier(mem_flags::mem_threadgroup);  // the last slice is read
+      mma_stage_slice<KVT, SLICE_D, LD_KV, false>(kv_tile, key + k_base + long(chunk) * p.k_stride_s + slice * SLICE_D,
+                                                  p.k_stride_s, chunk_len, vector_loads, simd_index, lane);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int i = 0; i < SLICE_DT; ++i) {
+        for (int j = 0; j < KT; ++j) {
+          simdgroup_float8x8 k_t;  // K^T: head dims 8i.. x keys 8j..
+          simdgroup_load(k_t, kv_tile + j * 8 * LD_KV + i * 8, LD_KV, ulong2(0, 0), true);
+          simdgroup_multiply_accumulate(s[j], q[slice * SLICE_DT + i], k_t, s[j]);
+        }
+      }
+    }
+    for (int j = 0; j < KT; ++j) simdgroup_store(s[j], my_scores + j * 8, LD_S);
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Online softmax, row by row, lane = key (the vector kernel's rules); P replaces S.
+    bool sees[ROWS];      // row r sees my key
+    float rescale[ROWS];  // the same in every lane
+    for (int r = 0; r < ROWS; ++r) {
+      const float raw = my_scores[r * LD_S + lane];
+      sees[r] = !(bias[r] == -INFINITY);
+      const bool bad = sees[r] && !(isfinite(raw) && isfinite(bias[r]));
+      poison[r] = poison[r] || bad;
+      float score = raw;
+      if (p.softcap > 0.0f) score = p.softcap * tanh(score / p.softcap);
+      score = (sees[r] && !bad) ? score + bias[r] : -INFINITY;
+
+      const float m_new = max(m[r], simd_max(score));
+      const bool nothing_seen = m_new == -INFINITY;
+      rescale[r] = nothing_seen ? 1.0f : exp(m[r] - m_new);
+      const float prob = nothing_seen ? 0.0f : exp(score - m_new);
+      l[r] = l[r] * rescale[r] + simd_sum(prob);
+      m[r] = m_new;
+      my_scores[r * LD_S + lane] = sees[r] ? prob : 0.0f;
+    }
+    float my_rescale = 1.0f;  // of the row my accumulator elements belong to
+    for (int r = 0; r < ROWS; ++r) my_rescale = int(mine.y) == r ? rescale[r] : my_rescale;
+    for (int i = 0; i < DT; ++i) {
+      o[i].thread_elements()[0] *= my_rescale;
+      o[i].thread_elements()[1] *= my_rescale;
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    simdgroup_float8x8 prob[KT];  // rows x keys 8j..8j+7
+    for (int j = 0; j < KT; ++j) simdgroup_load(prob[j], my_scores + j * 8, LD_S);
+
+    // O += P V, slice by slice, V staged into the same tile, non-finite values as 0 with
+    // their keys flagged.
+    for (int slice = 0; slice < SLICES; ++slice) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // K (or the last V slice) is read
+      const uint flagged = mma_stage_slice<KVT, SLICE_D, LD_KV, true>(
+          kv_tile, value + v_base + long(chunk) * p.v_stride_s + slice * SLICE_D, p.v_stride_s, chunk_len,
+          vector_loads, simd_index, lane);
+      if (lane == 0) {
+        for (int kk = 0; kk < KEYS_PER_SIMDGROUP; ++kk) {
+          const int k = int(simd_index) * KEYS_PER_SIMDGROUP + kk;
+          const bool before = slice > 0 && key_flag[k] != 0.0f;
+          key_flag[k] = (before || (flagged & (1u << kk)) != 0) ? 1.0f : 0.0f;
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int i = 0; i < SLICE_DT; ++i) {
+        for (int j = 0; j < KT; ++j) {
+          simdgroup_float8x8 v_tile;  // keys 8j.. x head dims 8i..
+          simdgroup_load(v_tile, kv_tile + j * 8 * LD_KV + i * 8, LD_KV);
+          simdgroup_multiply_accumulate(o[slice * SLICE_DT + i], prob[j], v_tile, o[slice * SLICE_DT + i]);
+        }
+      }
+    }
+    // A row that sees a key with a non-finite value is poisoned (selection: the value
+    // itself entered the products as 0).
+    const bool my_key_flagged = key_flag[lane] != 0.0f;
+    for (int r = 0; r < ROWS; ++r) poison[r] = poison[r] || (sees[r] && my_key_flagged);
+    // The next chunk overwrites the tiles.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // Poisoned: a lane flagged the row, or one of its accumulator elements is not finite.
+  bool my_elements_bad = false;
+  for (int i = 0; i < DT; ++i) {
+    my_elements_bad = my_elements_bad || !isfinite(o[i].thread_elements()[0]) || !isfinite(o[i].thread_elements()[1]);
+  }
+  const long slot0 = (long(b) * p.Hq + long(h) * p.G) * p.T;  // slot of the head's row 0, split 0
+  for (int r = 0; r < ROWS; ++r) {
+    const bool poisoned = simd_any(poison[r] || (my_elements_bad && int(mine.y) == r));
+    if (row_valid[r] && lane == 0) {
+      const long slot = (slot0 + row0 + r) * p.n_splits + split;
+      partial_m[slot] = poisoned ? NAN : m[r];
+      partial_l[slot] = poisoned ? NAN : l[r];
+    }
+  }
+  if (my_row_valid) {
+    const long base = ((slot0 + my_row) * p.n_splits + split) * D + int(mine.x);
+    for (int i = 0; i < DT; ++i) {
+      partial_o[base + 8 * i] = o[i].thread_elements()[0];
+      partial_o[base + 8 * i + 1] = o[i].thread_elements()[1];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Reduce pass.
 //
 // Threadgroup: TREE_ATTN_REDUCE_ROWS consecutive query rows of the flattened
@@ -347,14 +666,14 @@ template <typename T, int D>
 }
 
 // ---------------------------------------------------------------------------------------
-// Instantiations, from one table: tree_attn_main_<types>_d<D>_<mask> and
-// tree_attn_reduce_<out>_d<D>; <types> is f32, f16, bf16 (query and K/V alike) or
-// f32_f16, f32_bf16 (a float32 query over a half-precision cache), mask bool or float,
-// D in {64, 96, 128, 256, 512}: 50 main and 15 reduce kernels. csrc/metal/plan.cpp builds
-// the same names.
+// Instantiations, from the one table in tree_attn_kernels.h (csrc/metal/plan.cpp builds its
+// kernel names from the same table): tree_attn_main_<types>_d<D>_<mask> (vector kernel,
+// every D), tree_attn_mma_<types>_d<D>_<mask> (matrix kernel, D <= 256) and
+// tree_attn_reduce_<out>_d<D>; <types> is f32, f16, bf16 (query and K/V alike) or f32_f16,
+// f32_bf16 (a float32 query over a half-precision cache), mask bool or float.
 // ---------------------------------------------------------------------------------------
 #define TREE_ATTN_MAIN_KERNEL(QT, KVT, TAG, D, MASKT, MTAG)                                               \
-  template [[host_name("tree_attn_main_" #TAG "_d" #D "_" #MTAG)]] [[kernel]] void                      \
+  template [[host_name(TREE_ATTN_MAIN_KERNEL_NAME(main, TAG, D, MTAG))]] [[kernel]] void                      \
   tree_attn_main<QT, KVT, D, MASKT>(                                                                     \
       constant TreeAttnParams& p [[buffer(0)]], device const QT* query [[buffer(1)]],                    \
       device const KVT* key [[buffer(2)]], device const KVT* value [[buffer(3)]],                        \
@@ -364,30 +683,30 @@ template <typename T, int D>
       uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],   \
       ushort simd_index [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]);
 
+#define TREE_ATTN_MMA_KERNEL(QT, KVT, TAG, D, MASKT, MTAG)                                                \
+  template [[host_name(TREE_ATTN_MAIN_KERNEL_NAME(mma, TAG, D, MTAG))]] [[kernel]] void                       \
+  tree_attn_mma<QT, KVT, D, MASKT>(                                                                      \
+      constant TreeAttnParams& p [[buffer(0)]], device const QT* query [[buffer(1)]],                    \
+      device const KVT* key [[buffer(2)]], device const KVT* value [[buffer(3)]],                        \
+      device const MASKT* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],                   \
+      device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],                      \
+      device float* partial_l [[buffer(8)]], threadgroup float* tile [[threadgroup(0)]],                 \
+      uint3 group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]], \
+      ushort lane [[thread_index_in_simdgroup]]);
+
 #define TREE_ATTN_REDUCE_KERNEL(T, TAG, D)                                                                \
-  template [[host_name("tree_attn_reduce_" #TAG "_d" #D)]] [[kernel]] void tree_attn_reduce<T, D>(       \
+  template [[host_name(TREE_ATTN_REDUCE_KERNEL_NAME(TAG, D))]] [[kernel]] void tree_attn_reduce<T, D>(       \
       constant TreeAttnParams& p [[buffer(0)]], device const float* partial_o [[buffer(1)]],             \
       device const float* partial_m [[buffer(2)]], device const float* partial_l [[buffer(3)]],          \
       device T* out [[buffer(4)]], device float* lse [[buffer(5)]], device const float* sinks [[buffer(6)]], \
       uint group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]],  \
       ushort lane [[thread_index_in_simdgroup]]);
 
-#define TREE_ATTN_MAIN_KERNELS(QT, KVT, TAG, D) \
+// The table's entries: a bool- and a float-mask kernel per (types, D).
+#define TREE_ATTN_VEC_KERNELS(QT, KVT, TAG, D) \
   TREE_ATTN_MAIN_KERNEL(QT, KVT, TAG, D, uchar, bool) TREE_ATTN_MAIN_KERNEL(QT, KVT, TAG, D, float, float)
+#define TREE_ATTN_MMA_KERNELS(QT, KVT, TAG, D) \
+  TREE_ATTN_MMA_KERNEL(QT, KVT, TAG, D, uchar, bool) TREE_ATTN_MMA_KERNEL(QT, KVT, TAG, D, float, float)
 
-// The table: every (query type, K/V type) pair and every output type, per head dim.
-#define TREE_ATTN_KERNELS(D)                     \
-  TREE_ATTN_MAIN_KERNELS(float, float, f32, D)   \
-  TREE_ATTN_MAIN_KERNELS(half, half, f16, D)     \
-  TREE_ATTN_MAIN_KERNELS(bfloat, bfloat, bf16, D) \
-  TREE_ATTN_MAIN_KERNELS(float, half, f32_f16, D) \
-  TREE_ATTN_MAIN_KERNELS(float, bfloat, f32_bf16, D) \
-  TREE_ATTN_REDUCE_KERNEL(float, f32, D)         \
-  TREE_ATTN_REDUCE_KERNEL(half, f16, D)          \
-  TREE_ATTN_REDUCE_KERNEL(bfloat, bf16, D)
-
-TREE_ATTN_KERNELS(64)
-TREE_ATTN_KERNELS(96)
-TREE_ATTN_KERNELS(128)
-TREE_ATTN_KERNELS(256)
-TREE_ATTN_KERNELS(512)
+TREE_ATTN_MAIN_TABLE(TREE_ATTN_VEC_KERNELS, TREE_ATTN_MMA_KERNELS)
+TREE_ATTN_REDUCE_TABLE(TREE_ATTN_REDUCE_KERNEL)

@@ -1,5 +1,5 @@
 // The parameter block of the tree-attention kernels, shared word for word by the Metal
-// shaders (shaders/tree_attention.metal) and the C++ launch plan (csrc/plan.h).
+// shaders (shaders/tree_attention.metal) and the C++ launch plan (csrc/metal/plan.h).
 //
 // It is passed with setBytes, so its layout is the contract between host and GPU: only
 // fixed-width fields, 64-bit ones first, no implicit padding (the C++ side asserts the
@@ -28,6 +28,14 @@ enum TreeAttnTiling {
   TREE_ATTN_REDUCE_ROWS = 4,
   // Upper bound on key splits: the reduce kernel gives each split one lane.
   TREE_ATTN_MAX_SPLITS = 32,
+  // The simdgroup-matrix main kernel (tree_attn_mma, v2): query rows per threadgroup and
+  // simdgroups per threadgroup (each owns 8 rows, one row of 8x8 matrices).
+  TREE_ATTN_MMA_BLOCK_ROWS = 64,
+  TREE_ATTN_MMA_SIMDGROUPS = 8,
+  // Largest head-dim slice of K/V it stages at once, and the padding of every row of its
+  // threadgroup tiles, in floats (16 bytes, against bank conflicts).
+  TREE_ATTN_MMA_MAX_SLICE_DIMS = 128,
+  TREE_ATTN_MMA_PAD = 4,
 };
 
 // Simdgroups per main-kernel threadgroup for head dim D: wider heads get more simdgroups
@@ -44,6 +52,13 @@ enum TreeAttnTiling {
 #define TREE_ATTN_SLICE_DIMS(D, ELEMENT_BYTES) \
   ((D) * (ELEMENT_BYTES) * 32 <= TREE_ATTN_TILE_BYTES ? (D) : (D) / 2)
 
+// The simdgroup-matrix kernel's head-dim slice and its threadgroup memory, in floats: the
+// K/V tile [32 keys][slice + pad], the score tile [64 rows][32 + pad], 32 key flags.
+#define TREE_ATTN_MMA_SLICE_DIMS(D) ((D) < TREE_ATTN_MMA_MAX_SLICE_DIMS ? (D) : TREE_ATTN_MMA_MAX_SLICE_DIMS)
+#define TREE_ATTN_MMA_TILE_FLOATS(D)                                                     \
+  (TREE_ATTN_CHUNK_KEYS * (TREE_ATTN_MMA_SLICE_DIMS(D) + TREE_ATTN_MMA_PAD) +            \
+   TREE_ATTN_MMA_BLOCK_ROWS * (TREE_ATTN_CHUNK_KEYS + TREE_ATTN_MMA_PAD) + TREE_ATTN_CHUNK_KEYS)
+
 struct TreeAttnParams {
   // Element strides; the head dim always has stride 1. A broadcast dim has stride 0.
   tree_attn_i64 q_stride_b, q_stride_h, q_stride_t;
@@ -56,10 +71,13 @@ struct TreeAttnParams {
   // Keys [split * split_keys, (split + 1) * split_keys) belong to split `split`;
   // split_keys is a multiple of TREE_ATTN_CHUNK_KEYS.
   tree_attn_i32 split_keys, n_splits;
-  tree_attn_i32 n_row_blocks;  // ceil(G * T / TREE_ATTN_BLOCK_ROWS)
+  tree_attn_i32 n_row_blocks;  // ceil(G * T / rows per threadgroup): 32 (vector), 64 (matrix kernel)
   tree_attn_i32 has_offsets;   // 0: every offset is 0 and the offsets buffer is not read
   tree_attn_i32 has_sinks;     // 0: no sinks; the reduce pass does not read its sinks buffer
-  tree_attn_i32 reserved;      // 0; keeps the size a multiple of 8 (no tail padding)
+  // 1: every K and V row starts at a multiple of 4 elements (storage offsets and strides),
+  // so the matrix kernel loads them as 4-vectors; 0: scalar loads. The vector kernel
+  // ignores it. Also keeps the size a multiple of 8 (no tail padding).
+  tree_attn_i32 kv_aligned4;
   float scale;
   float softcap;               // 0: off
 };

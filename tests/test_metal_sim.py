@@ -7,6 +7,7 @@ simdgroups, NaN-poisoned threadgroup memory and bounds-checked device buffers. E
 also checks the device bytes each launch read and wrote against the plan's traffic model
 (the op fails otherwise); ``tree_attn_sim.traffic`` returns both figures for the tests below.
 """
+import contextlib
 import json
 import math
 
@@ -33,6 +34,17 @@ def plan_of(inputs):
 
 def traffic_of(inputs):
     return json.loads(ops.traffic(*args_of(inputs)))
+
+
+@contextlib.contextmanager
+def kernel_family(name):
+    """Forces the main kernel family ("vector": v1, "matrix": v2) of every plan inside (the
+    plan's internal override, through the simulator)."""
+    previous = ops.set_kernel_family(name)
+    try:
+        yield
+    finally:
+        ops.set_kernel_family(previous)
 
 
 MATRIX = parity_matrix()
@@ -68,13 +80,56 @@ def test_parity_matrix(case):
     check_against_reference(out, lse, inputs)
 
 
+@pytest.mark.parametrize("family", ["vector", "matrix"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
-def test_long_prefix_split_across_threadgroups(case):
+def test_long_prefix_split_across_threadgroups(case, family):
+    if family == "matrix" and case.D == 512:
+        pytest.skip("no matrix kernel at D = 512")
+    inputs = make_inputs(case)
+    with kernel_family(family):
+        plan = plan_of(inputs)
+        assert plan["n_splits"] >= 4, plan
+        assert plan["family"] == family
+        out, lse = sim(inputs)
+    check_against_reference(out, lse, inputs)
+
+
+# ---------------------------------------------------------------------------------------
+# The plan's choice of main kernel: matrix (v2) where it exists and a kv head has more
+# than 8 rows, vector (v1) elsewhere.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case, family", [
+    (Case(B=2, Hq=4, Hkv=4, T=5, S=70, D=64, seed=51), "vector"),                         # G*T = 5
+    (Case(B=1, Hq=2, Hkv=1, T=4, S=90, D=128, dtype=torch.float16, mask_kind="float", seed=52), "vector"),  # 8
+    (Case(B=1, Hq=2, Hkv=1, T=5, S=90, D=128, dtype=torch.bfloat16, seed=53), "matrix"),  # 10
+    (Case(B=1, Hq=4, Hkv=1, T=20, S=120, D=512, dtype=torch.float16, seed=54), "vector"),  # no D = 512 matrix kernel
+    (Case(B=2, Hq=8, Hkv=2, T=20, S=150, D=256, dtype=torch.float32, kv_dtype=torch.bfloat16, seed=55), "matrix"),
+], ids=str)
+def test_the_plan_keeps_the_vector_kernel_where_the_heuristic_says(case, family):
     inputs = make_inputs(case)
     plan = plan_of(inputs)
-    assert plan["n_splits"] >= 4, plan
-    out, lse = sim(inputs)
-    check_against_reference(out, lse, inputs)
+    assert plan["family"] == family
+    assert plan["block_rows"] == {"vector": 32, "matrix": 64}[family]
+    assert plan["launches"][0]["kernel"].startswith({"vector": "tree_attn_main_", "matrix": "tree_attn_mma_"}[family])
+    check_against_reference(*sim(inputs), inputs)
+
+
+def test_matrix_kernel_scalar_loads_for_unaligned_rows():
+    """K/V rows that do not start at a multiple of 4 elements: the matrix kernel loads
+    them element by element (kv_aligned4 = 0); aligned ones as 4-vectors."""
+    B, Hq, Hkv, T, S, D = 1, 8, 2, 6, 80, 96
+    gen = torch.Generator().manual_seed(61)
+    q = torch.randn(B, Hq, T, D, generator=gen, dtype=torch.float16)
+    flat = torch.randn(2 * B * Hkv * S * D + 1, generator=gen).to(torch.float16)
+    k = flat[1:1 + B * Hkv * S * D].view(B, Hkv, S, D)
+    v = flat[1 + B * Hkv * S * D:].view(B, Hkv, S, D)
+    mask = torch.rand(B, T, T, generator=gen) < 0.6
+    inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=torch.tensor([S - T]), scale=None, softcap=None)
+    plan = plan_of(inputs)
+    assert plan["family"] == "matrix" and plan["kv_aligned4"] == 0
+    check_against_reference(*sim(inputs), inputs)
+    inputs["key"], inputs["value"] = k.clone(), v.clone()
+    assert plan_of(inputs)["kv_aligned4"] == 1
 
 
 def test_forward_without_lse_matches():
@@ -96,11 +151,32 @@ def test_every_kernel_instantiation_is_exercised():
     pairs = ("f32", "f16", "bf16", "f32_f16", "f32_bf16")
     dims = (64, 96, 128, 256, 512)
     expected = {f"tree_attn_main_{t}_d{d}_{m}" for t in pairs for d in dims for m in ("bool", "float")}
+    expected |= {f"tree_attn_mma_{t}_d{d}_{m}" for t in pairs for d in dims[:4] for m in ("bool", "float")}
     expected |= {f"tree_attn_reduce_{t}_d{d}" for t in ("f32", "f16", "bf16") for d in dims}
-    assert len(expected) == 65
+    assert len(expected) == 50 + 40 + 15
     assert shipped == expected
+    # The parity matrix, with the plan's own choice of family, runs every kernel.
     used = {launch["kernel"] for case in MATRIX for launch in plan_of(make_inputs(case))["launches"]}
     assert used == shipped, f"never run: {sorted(shipped - used)}"
+
+
+def test_every_name_the_plan_can_emit_is_instantiated():
+    """The plan's names come from the shader's instantiation table
+    (shaders/tree_attn_kernels.h): each exists in the simulator's registry, and the
+    registry holds no kernel the plan cannot name."""
+    names = ops.plan_kernel_names()
+    assert len(names) == len(set(names)) == 105
+    shipped = {name for name in ops.kernels() if name.startswith("tree_attn_")}
+    assert set(names) == shipped
+
+
+def test_the_family_override_is_checked():
+    inputs = make_inputs(Case(D=512))
+    with kernel_family("matrix"), pytest.raises(ValueError, match="no matrix Metal kernel for f32 at head dim 512"):
+        plan_of(inputs)
+    with pytest.raises(ValueError, match="expected 'auto', 'vector' or 'matrix'"):
+        ops.set_kernel_family("v3")
+    assert plan_of(inputs)["family"] == "vector"
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,9 +249,11 @@ def test_unused_slots_hold_nan_and_the_last_chunk_is_partial():
 # ---------------------------------------------------------------------------------------
 # Non-finite values (README, "Non-finite values"): NaN exactly in the rows that see one.
 # ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["auto", "vector"])
 @pytest.mark.parametrize("case, kind", nonfinite_cases(), ids=lambda x: str(x))
-def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind):
-    check_nonfinite_case(case, kind, lambda inputs: sim(inputs))
+def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind, family):
+    with kernel_family(family):
+        check_nonfinite_case(case, kind, lambda inputs: sim(inputs))
 
 
 def _split_of(plan, key):
@@ -299,7 +377,7 @@ def test_views_with_storage_offsets_and_strided_mask():
 # ---------------------------------------------------------------------------------------
 def _kv_bound(plan, traffic_key="actual"):
     rows = plan["rows_per_kv_head"]
-    return math.ceil(rows / 32) * plan[traffic_key]["minimum_key_value"]
+    return math.ceil(rows / plan["block_rows"]) * plan[traffic_key]["minimum_key_value"]
 
 
 @pytest.mark.parametrize("case", [
@@ -307,9 +385,12 @@ def _kv_bound(plan, traffic_key="actual"):
     Case(B=1, Hq=4, Hkv=1, T=64, S=200, D=128, dtype=torch.bfloat16, mask_kind="float", seed=22),
     SPLIT_CASES[0],
 ], ids=str)
-def test_counted_bytes_equal_the_model_and_the_bound_holds(case):
+@pytest.mark.parametrize("family", ["vector", "matrix"])
+def test_counted_bytes_equal_the_model_and_the_bound_holds(case, family):
     inputs = make_inputs(case)
-    traffic = traffic_of(inputs)
+    with kernel_family(family):
+        traffic = traffic_of(inputs)
+    assert traffic["plan"]["family"] == family
     for launch in traffic["launches"]:
         assert launch["counted_read"] == launch["modelled_read"], launch
         assert launch["counted_written"] == launch["modelled_written"], launch
@@ -328,53 +409,75 @@ def test_counted_bytes_equal_the_model_and_the_bound_holds(case):
     assert plan["actual"]["skipped_keys"] > 0 or main_kv == _kv_bound(plan)
 
 
-def test_fully_masked_window_chunks_are_not_fetched():
+@pytest.mark.parametrize("family", ["vector", "matrix"])
+def test_fully_masked_window_chunks_are_not_fetched(family):
     # A dense window of 160 keys; keys [64, 128) are hidden from every row: two chunks
     # whose K/V the kernel must skip.
     B, Hq, T, S, D = 1, 2, 8, 160, 64
     q, k, v = torch.randn(B, Hq, T, D), torch.randn(B, 1, S, D), torch.randn(B, 1, S, D)
     mask = torch.rand(B, T, S) < 0.5
     mask[..., 64:128] = False
+    # The skipped keys hold NaN: fetching them would poison every row.
+    k[..., 64:128, :] = v[..., 64:128, :] = float("nan")
     inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=None, scale=None, softcap=None)
-    traffic = traffic_of(inputs)
+    with kernel_family(family):
+        traffic = traffic_of(inputs)
+        check_against_reference(*sim(inputs), inputs)
+    assert traffic["plan"]["family"] == family
     plan = traffic["plan"]
     assert plan["actual"]["skipped_keys"] == 64
     assert plan["actual"]["main_reads"]["key_value"] == (S - 64) * 2 * D * 4
     main = traffic["launches"][0]
     assert main["counted_read"] == main["modelled_read"]
-    check_against_reference(*sim(inputs), inputs)
 
 
 def test_reference_shape_traffic_against_minimum_and_seed():
-    """B=1, Hq=32, Hkv=8, D=128, T=64 tree after a 4096-key prefix: every K/V byte
-    serves 32 query rows, so the main pass reads ceil(G*T/32) = 8 x the minimum; the
-    seed's one-threadgroup-per-(query, head) design reads G*T = 256 x."""
+    """B=1, Hq=32, Hkv=8, D=128, T=64 tree after a 4096-key prefix: the plan picks the
+    matrix kernel, whose K/V bytes each serve 64 query rows, so the main pass reads
+    ceil(G*T/64) = 4 x the minimum; the vector kernel (32 rows) reads 8 x, the seed's
+    one-threadgroup-per-(query, head) design G*T = 256 x. The simulator runs the call and
+    counts exactly the modelled bytes."""
     B, Hq, Hkv, D, T, P = 1, 32, 8, 128, 64, 4096
     S = P + T
-    q = torch.randn(B, Hq, T, D)
-    kv = torch.randn(B, Hkv, S, D)
     gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    kv = torch.randn(B, Hkv, S, D, generator=gen)
     from tests.cases import random_tree_mask
     mask = random_tree_mask(T, gen)[None]
     inputs = dict(query=q, key=kv, value=kv, mask=mask, mask_offset=torch.tensor([P]), scale=None, softcap=None)
-    plan = plan_of(inputs)
     G = Hq // Hkv
+    plans = {}
+    for family in ("vector", "matrix"):
+        with kernel_family(family):
+            plans[family] = plan_of(inputs)
+    plan = plan_of(inputs)
+    assert plan["family"] == "matrix" and plan["launches"][0]["kernel"] == "tree_attn_mma_f32_d128_bool"
+    assert plan == plans["matrix"]
     minimum = plan["worst_case"]["minimum_key_value"]
     assert minimum == plan["actual"]["minimum_key_value"] == 2 * Hkv * S * D * 4
-    assert plan["worst_case"]["main_reads"]["key_value"] == 8 * minimum
+    ratios = {f: p["worst_case"]["main_reads"]["key_value"] / minimum for f, p in plans.items()}
+    assert ratios == {"vector": 8, "matrix": 4}
+    assert ratios["matrix"] <= 4 == math.ceil(G * T / 64)
     # The tree's keys form two chunks; nodes 0..31 (parents first) see none of nodes
-    # 32..63, so the blocks holding those rows skip the second chunk.
-    skipped = plan["actual"]["skipped_keys"]
-    assert skipped > 0
-    assert plan["actual"]["main_reads"]["key_value"] == 8 * minimum - skipped * 2 * D * 4
+    # 32..63, so the blocks holding only such rows skip the second chunk.
+    actual = {}
+    for f, p in plans.items():
+        skipped = p["actual"]["skipped_keys"]
+        actual[f] = p["actual"]["main_reads"]["key_value"]
+        assert actual[f] == ratios[f] * minimum - skipped * 2 * D * 4
+    assert plans["vector"]["actual"]["skipped_keys"] > 0
     seed_kv = G * T * minimum
-    worst = plan["worst_case"]["main_reads"]["key_value"]
-    actual = plan["actual"]["main_reads"]["key_value"]
-    print(f"\nreference shape: modelled K/V bytes {worst / 2**20:.1f} MiB worst case = {worst / minimum:.0f} x "
-          f"minimum ({minimum / 2**20:.2f} MiB), {actual / minimum:.2f} x with this tree's skipped chunks; "
-          f"seed design {G * T} x ({seed_kv / 2**20:.0f} MiB); {plan['n_splits']} splits, "
+    print(f"\nreference shape: minimum K/V {minimum / 2**20:.2f} MiB; modelled worst case "
+          f"v1 (vector, 32 rows) {ratios['vector']:.0f} x, v2 (matrix, 64 rows) {ratios['matrix']:.0f} x; "
+          f"with this tree's skipped chunks v1 {actual['vector'] / minimum:.2f} x, v2 {actual['matrix'] / minimum:.2f} x; "
+          f"seed design {G * T} x ({seed_kv / 2**20:.0f} MiB); v2: {plan['n_splits']} splits, "
           f"grid {plan['launches'][0]['grid']}")
-    assert G * T == 256 and worst * 32 == seed_kv
+    # Run it: counted bytes equal the model (the op fails otherwise) and the result is right.
+    traffic = traffic_of(inputs)
+    for launch in traffic["launches"]:
+        assert launch["counted_read"] == launch["modelled_read"], launch
+    assert traffic["launches"][0]["modelled_read"] == plan["actual"]["main_reads"]["total"]
+    check_against_reference(*sim(inputs), inputs)
 
 
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
@@ -382,26 +485,45 @@ def test_reference_shape_traffic_against_minimum_and_seed():
                                              (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("D", [64, 96, 128, 256, 512])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_plan_geometry(dtype, kv_dtype, D, with_sinks):
+@pytest.mark.parametrize("family", ["vector", "matrix"])
+def test_plan_geometry(dtype, kv_dtype, D, with_sinks, family):
+    if family == "matrix" and D == 512:
+        pytest.skip("no matrix kernel at D = 512 (test_the_family_override_is_checked)")
     B, Hq, Hkv, T, S = 2, 8, 2, 9, 2000
     q = torch.zeros(B, Hq, T, D, dtype=dtype)
     kv = torch.zeros(B, Hkv, S, D, dtype=kv_dtype)
     sinks = torch.zeros(Hq) if with_sinks else None
-    plan = plan_of(dict(query=q, key=kv, value=kv, mask=torch.ones(B, T, T, dtype=torch.bool),
-                        mask_offset=torch.tensor([5, 1000]), scale=None, softcap=None, sinks=sinks))
+    inputs = dict(query=q, key=kv, value=kv, mask=torch.ones(B, T, T, dtype=torch.bool),
+                  mask_offset=torch.tensor([5, 1000]), scale=None, softcap=None, sinks=sinks)
+    # G * T = 36: the plan's own choice is the matrix kernel wherever it exists.
+    assert plan_of(inputs)["family"] == ("matrix" if D <= 256 else "vector")
+    with kernel_family(family):
+        plan = plan_of(inputs)
     main, reduce = plan["launches"]
     tag = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
     pair = tag[dtype] if dtype == kv_dtype else f"{tag[dtype]}_{tag[kv_dtype]}"
-    assert main["kernel"] == f"tree_attn_main_{pair}_d{D}_bool"
+    prefix = {"vector": "tree_attn_main", "matrix": "tree_attn_mma"}[family]
+    assert main["kernel"] == f"{prefix}_{pair}_d{D}_bool"
     assert reduce["kernel"] == f"tree_attn_reduce_{tag[dtype]}_d{D}"
     element = torch.finfo(kv_dtype).bits // 8
-    # One chunk of 32 K (then V) rows in the K/V dtype, staged in slices of the head dim
-    # (two only for float32 at D = 512): at most 32 KiB, a multiple of 16.
-    slice_dims = D // 2 if D * element * 32 > 32768 else D
-    assert main["threadgroup_memory_bytes"] == 32 * slice_dims * element <= 32768
-    assert main["threads"] == [{64: 128, 96: 128, 128: 128, 256: 256, 512: 512}[D], 1, 1]
+    if family == "vector":
+        # One chunk of 32 K (then V) rows in the K/V dtype, staged in slices of the head
+        # dim (two only for float32 at D = 512): at most 32 KiB, a multiple of 16.
+        slice_dims = D // 2 if D * element * 32 > 32768 else D
+        assert main["threadgroup_memory_bytes"] == 32 * slice_dims * element <= 32768
+        assert main["threads"] == [{64: 128, 96: 128, 128: 128, 256: 256, 512: 512}[D], 1, 1]
+        block_rows = 32
+    else:
+        # Float tiles, rows padded by 4 floats: K/V [32][min(D, 128) + 4], scores [64][36],
+        # 32 key flags; 8 simdgroups.
+        floats = 32 * (min(D, 128) + 4) + 64 * 36 + 32
+        assert main["threadgroup_memory_bytes"] == 4 * floats <= 32768
+        assert main["threadgroup_memory_bytes"] % 16 == 0
+        assert main["threads"] == [256, 1, 1]
+        block_rows = 64
+    assert plan["block_rows"] == block_rows and plan["kv_aligned4"] == 1
     rows = (Hq // Hkv) * T
-    assert plan["n_row_blocks"] == math.ceil(rows / 32)
+    assert plan["n_row_blocks"] == math.ceil(rows / block_rows)
     assert main["grid"] == [plan["n_splits"], plan["n_row_blocks"], B * Hkv]
     # Splits: ~256 threadgroups, >= 4 chunks of 32 keys each, <= 32 splits, covering S.
     assert plan["split_keys"] % 32 == 0 and plan["split_keys"] >= 4 * 32

@@ -730,6 +730,26 @@ def test_translator_expands_instantiation_macros():
     assert names == ["f_f32_n1", "f_f16_n1", "f_f32_n2", "f_f16_n2"]
 
 
+def test_translator_expands_kernel_tables_from_included_headers(tmp_path):
+    # An X-macro table in a project header (shared with host C++): invoked at file scope
+    # with an instantiation macro, it is expanded like the source's own macros, name macros
+    # from the header included; a header macro used elsewhere is left to the C++ compiler.
+    (tmp_path / "table.h").write_text(
+        '#define NAME(TAG, N) "f_" #TAG "_n" #N\n'
+        "#define PAIRS(X, N) X(float, f32, N) X(half, f16, N)\n"
+        "#define TABLE(X) PAIRS(X, 1) PAIRS(X, 2)\n"
+        "#define TWICE(x) (2 * (x))\n")
+    source = tmp_path / "k.metal"
+    source.write_text('#include "table.h"\n'
+                      "template <typename T, int N> kernel void f(device T* x [[buffer(0)]]) { x[0] = T(TWICE(N)); }\n"
+                      "#define INST(T, TAG, N) template [[host_name(NAME(TAG, N))]] [[kernel]] void \\\n"
+                      "  f<T, N>(device T* x [[buffer(0)]]);\n"
+                      "TABLE(INST)\n")
+    cpp = msl2cpp.translate_file(str(source))
+    assert re.findall(r'KernelEntry\{"([^"]+)"', cpp) == ["f_f32_n1", "f_f16_n1", "f_f32_n2", "f_f16_n2"]
+    assert "TWICE(N)" in cpp and '#include "table.h"' in cpp
+
+
 def test_translator_reports_the_line_of_the_problem():
     with pytest.raises(msl2cpp.TranslationError, match=r"^bad.metal:4: error: 'atomic_uint'"):
         msl2cpp.translate_source("#include <metal_stdlib>\n\nkernel void f(\n  device atomic_uint* c [[buffer(0)]]) {}\n",

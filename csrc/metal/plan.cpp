@@ -1,6 +1,8 @@
 // The launch plan of the Metal tree-attention kernels: see plan.h.
 #include "metal/plan.h"
 
+#include "tree_attn_kernels.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/safe_numerics.h>
 
@@ -47,6 +49,56 @@ const char* dtype_tag(at::ScalarType t) {
   }
 }
 
+// The kernels the shader instantiates (shaders/tree_attn_kernels.h): the plan takes its
+// names from here and nowhere else.
+struct MainKernels {
+  KernelFamily family;
+  const char* tag;  // (query, K/V) dtypes
+  int64_t d;
+  const char* bool_mask;
+  const char* float_mask;
+};
+#define TREE_ATTN_PLAN_MAIN(FAMILY, ENUM, TAG, D) \
+  {ENUM, #TAG, D, TREE_ATTN_MAIN_KERNEL_NAME(FAMILY, TAG, D, bool), TREE_ATTN_MAIN_KERNEL_NAME(FAMILY, TAG, D, float)},
+#define TREE_ATTN_PLAN_VEC(QT, KVT, TAG, D) TREE_ATTN_PLAN_MAIN(main, KernelFamily::Vector, TAG, D)
+#define TREE_ATTN_PLAN_MMA(QT, KVT, TAG, D) TREE_ATTN_PLAN_MAIN(mma, KernelFamily::Matrix, TAG, D)
+constexpr MainKernels kMainKernels[] = {TREE_ATTN_MAIN_TABLE(TREE_ATTN_PLAN_VEC, TREE_ATTN_PLAN_MMA)};
+#undef TREE_ATTN_PLAN_MMA
+#undef TREE_ATTN_PLAN_VEC
+#undef TREE_ATTN_PLAN_MAIN
+
+struct ReduceKernel {
+  const char* tag;  // output dtype
+  int64_t d;
+  const char* name;
+};
+#define TREE_ATTN_PLAN_REDUCE(T, TAG, D) {#TAG, D, TREE_ATTN_REDUCE_KERNEL_NAME(TAG, D)},
+constexpr ReduceKernel kReduceKernels[] = {TREE_ATTN_REDUCE_TABLE(TREE_ATTN_PLAN_REDUCE)};
+#undef TREE_ATTN_PLAN_REDUCE
+
+const MainKernels* find_main(KernelFamily family, const std::string& tag, int64_t d) {
+  for (const MainKernels& k : kMainKernels)
+    if (k.family == family && tag == k.tag && k.d == d) return &k;
+  return nullptr;
+}
+
+const ReduceKernel* find_reduce(const std::string& tag, int64_t d) {
+  for (const ReduceKernel& k : kReduceKernels)
+    if (tag == k.tag && k.d == d) return &k;
+  return nullptr;
+}
+
+std::string types_tag(const Problem& p) {
+  const std::string q = dtype_tag(p.q_dtype);
+  return p.q_dtype == p.kv_dtype ? q : q + "_" + dtype_tag(p.kv_dtype);
+}
+
+// Element strides (batch, head, row, dim): every row of `t` starts at a multiple of 4
+// elements from its storage.
+bool aligned4(const at::Tensor& t, const int64_t (&strides)[4]) {
+  return t.storage_offset() % 4 == 0 && strides[0] % 4 == 0 && strides[1] % 4 == 0 && strides[2] % 4 == 0;
+}
+
 uint64_t storage_byte_offset(const at::Tensor& t) { return uint64_t(t.storage_offset()) * t.element_size(); }
 
 // Keys per split: see kTargetThreadgroups in plan.h.
@@ -61,6 +113,30 @@ void choose_splits(const Problem& p, int64_t tiles, int32_t& split_keys, int32_t
 }
 
 }  // namespace
+
+const char* family_name(KernelFamily family) {
+  switch (family) {
+    case KernelFamily::Auto: return "auto";
+    case KernelFamily::Vector: return "vector";
+    case KernelFamily::Matrix: return "matrix";
+  }
+  return "?";
+}
+
+KernelFamily choose_family(const Problem& p) {
+  const bool instantiated = find_main(KernelFamily::Matrix, types_tag(p), p.D) != nullptr;
+  return instantiated && p.G * p.T > 8 ? KernelFamily::Matrix : KernelFamily::Vector;
+}
+
+std::vector<std::string> plan_kernel_names() {
+  std::vector<std::string> names;
+  for (const MainKernels& k : kMainKernels) {
+    names.emplace_back(k.bool_mask);
+    names.emplace_back(k.float_mask);
+  }
+  for (const ReduceKernel& k : kReduceKernels) names.emplace_back(k.name);
+  return names;
+}
 
 const char* role_name(BufferRole role) {
   switch (role) {
@@ -80,7 +156,7 @@ const char* role_name(BufferRole role) {
   return "?";
 }
 
-Plan make_plan(const Prepared& in) {
+Plan make_plan(const Prepared& in, KernelFamily family) {
   const Problem& p = in.p;
   Plan plan;
   // validation.cpp admits exactly the (query, K/V) dtype pairs the kernels are
@@ -129,10 +205,23 @@ Plan make_plan(const Prepared& in) {
   params.D = int32_t(p.D);
   params.has_offsets = p.has_offsets ? 1 : 0;
   params.has_sinks = p.has_sinks ? 1 : 0;
-  params.reserved = 0;
+  params.kv_aligned4 = 0;
   params.scale = p.scale;
   params.softcap = p.softcap;
-  params.n_row_blocks = int32_t(ceil_div(rows_per_head, TREE_ATTN_BLOCK_ROWS));
+  const std::string tag = types_tag(p);
+  plan.family = family == KernelFamily::Auto ? choose_family(p) : family;
+  const MainKernels* main_kernels = find_main(plan.family, tag, p.D);
+  TORCH_CHECK_VALUE(main_kernels != nullptr, "tree attention: no ", family_name(plan.family),
+                    " Metal kernel for ", tag, " at head dim ", p.D);
+  const ReduceKernel* reduce_kernel = find_reduce(dtype_tag(p.q_dtype), p.D);
+  TORCH_CHECK_VALUE(reduce_kernel != nullptr, "tree attention: no Metal reduce kernel for ", p.q_dtype,
+                    " at head dim ", p.D);
+  const bool matrix = plan.family == KernelFamily::Matrix;
+  plan.block_rows = matrix ? TREE_ATTN_MMA_BLOCK_ROWS : TREE_ATTN_BLOCK_ROWS;
+  params.n_row_blocks = int32_t(ceil_div(rows_per_head, plan.block_rows));
+  // 4-vector loads of K/V rows need every row to start at a multiple of 4 elements (the
+  // storage buffers themselves are aligned).
+  params.kv_aligned4 = aligned4(in.key, p.k_stride) && aligned4(in.value, p.v_stride) ? 1 : 0;
   if (p.empty()) return plan;
 
   const int64_t tiles = p.B * p.Hkv * params.n_row_blocks;
@@ -150,22 +239,24 @@ Plan make_plan(const Prepared& in) {
   plan.partial_l_offset = align_up(plan.partial_m_offset + ml_bytes, 256, "scratch size");
   plan.scratch_bytes = align_up(plan.partial_l_offset + ml_bytes, 256, "scratch size");
 
-  // Kernel names: see the instantiation table at the end of shaders/tree_attention.metal.
-  const std::string out_tag = dtype_tag(p.q_dtype);
-  const std::string tag = p.q_dtype == p.kv_dtype ? out_tag : out_tag + "_" + dtype_tag(p.kv_dtype);
-  const std::string d = std::to_string(p.D);
-  const int64_t simdgroups = TREE_ATTN_SIMDGROUPS(p.D);
-
   Launch main;
-  main.kernel = "tree_attn_main_" + tag + "_d" + d + (p.mask_kind == MaskKind::Bool ? "_bool" : "_float");
+  main.kernel = p.mask_kind == MaskKind::Bool ? main_kernels->bool_mask : main_kernels->float_mask;
   main.grid = {grid_dim(params.n_splits, "key splits"), grid_dim(params.n_row_blocks, "row blocks"),
                grid_dim(p.B * p.Hkv, "B * Hkv")};
-  main.threads = {uint32_t(simdgroups * TREE_ATTN_SIMD_WIDTH), 1, 1};
-  // The K/V tile: 32 keys x one slice of the head dim (tree_attn_params.h).
-  const int64_t slice_dims = TREE_ATTN_SLICE_DIMS(p.D, int64_t(plan.kv_element_bytes));
-  TORCH_INTERNAL_ASSERT(p.D % slice_dims == 0 && slice_dims % TREE_ATTN_SIMD_WIDTH == 0);
-  main.threadgroup_memory_bytes =
-      uint32_t(align_up(uint64_t(TREE_ATTN_CHUNK_KEYS) * slice_dims * plan.kv_element_bytes, 16, "tile"));
+  if (matrix) {
+    // 8 simdgroups of 8 rows; tiles of floats (tree_attn_params.h).
+    main.threads = {uint32_t(TREE_ATTN_MMA_SIMDGROUPS * TREE_ATTN_SIMD_WIDTH), 1, 1};
+    TORCH_INTERNAL_ASSERT(p.D % TREE_ATTN_MMA_SLICE_DIMS(p.D) == 0 && p.D % 8 == 0);
+    main.threadgroup_memory_bytes =
+        uint32_t(align_up(uint64_t(TREE_ATTN_MMA_TILE_FLOATS(p.D)) * sizeof(float), 16, "tile"));
+  } else {
+    main.threads = {uint32_t(TREE_ATTN_SIMDGROUPS(p.D) * TREE_ATTN_SIMD_WIDTH), 1, 1};
+    // The K/V tile: 32 keys x one slice of the head dim (tree_attn_params.h).
+    const int64_t slice_dims = TREE_ATTN_SLICE_DIMS(p.D, int64_t(plan.kv_element_bytes));
+    TORCH_INTERNAL_ASSERT(p.D % slice_dims == 0 && slice_dims % TREE_ATTN_SIMD_WIDTH == 0);
+    main.threadgroup_memory_bytes =
+        uint32_t(align_up(uint64_t(TREE_ATTN_CHUNK_KEYS) * slice_dims * plan.kv_element_bytes, 16, "tile"));
+  }
   TORCH_CHECK(main.threadgroup_memory_bytes <= TREE_ATTN_TILE_BYTES, "tree attention: tile of ",
               main.threadgroup_memory_bytes, " bytes exceeds 32 KB of threadgroup memory");
   const bool offsets = p.has_offsets;
@@ -183,7 +274,7 @@ Plan make_plan(const Prepared& in) {
   };
 
   Launch reduce;
-  reduce.kernel = "tree_attn_reduce_" + out_tag + "_d" + d;
+  reduce.kernel = reduce_kernel->name;
   reduce.grid = {grid_dim(ceil_div(int64_t(rows), TREE_ATTN_REDUCE_ROWS), "reduce rows"), 1, 1};
   reduce.threads = {uint32_t(TREE_ATTN_REDUCE_ROWS * TREE_ATTN_SIMD_WIDTH), 1, 1};
   reduce.buffers = {

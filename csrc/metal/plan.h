@@ -1,7 +1,8 @@
 // The launch plan of the Metal tree-attention kernels, in portable C++.
 //
-// From a validated call (`Prepared`) it computes every launch: kernel (template
-// instantiation name in shaders/tree_attention.metal), grid, threadgroup size,
+// From a validated call (`Prepared`) it computes every launch: kernel (a name from the
+// instantiation table shaders/tree_attn_kernels.h, which shaders/tree_attention.metal
+// expands), grid, threadgroup size,
 // threadgroup memory, buffer bindings with byte offsets, the parameter block and the
 // scratch buffer. Both the MPS backend (csrc/metal/*.mm) and the CPU simulator
 // (tests/sim/csrc/sim_forward.cpp) encode exactly this plan, so the only code that differs
@@ -54,7 +55,26 @@ struct Launch {
   std::vector<FunctionConstant> constants;
 };
 
+// The two main kernels of shaders/tree_attention.metal.
+//   Vector (v1, tree_attn_main_*): 32 rows per threadgroup, scalar dot products; every D.
+//   Matrix (v2, tree_attn_mma_*): 64 rows per threadgroup, simdgroup-matrix products; D <= 256.
+// Auto is the plan's choice (choose_family); the others are an internal override for
+// tests and benchmarks, not public API.
+enum class KernelFamily { Auto, Vector, Matrix };
+const char* family_name(KernelFamily family);
+
+// The plan's choice: the matrix kernel wherever it is instantiated (D <= 256) and a kv
+// head has more than 8 rows (G * T > 8); the vector kernel otherwise. Each K/V byte is
+// fetched once per row block, ceil(G * T / 64) times per call by the matrix kernel against
+// ceil(G * T / 32) by the vector kernel, and its products run on the matrix units. At
+// G * T <= 8 both fetch K/V once and the matrix kernel would run one 8-row matrix row on
+// 8 simdgroups, 7 of them idle; at D = 512 its per-lane query and accumulator (256 floats)
+// would not fit the register file, so the vector kernel stays.
+KernelFamily choose_family(const Problem& p);
+
 struct Plan {
+  KernelFamily family = KernelFamily::Vector;  // of the main launch (never Auto)
+  int32_t block_rows = TREE_ATTN_BLOCK_ROWS;   // rows per main threadgroup: 32 or 64
   TreeAttnParams params{};
   std::vector<Launch> launches;  // in encoding order: main, reduce; empty for an empty problem
 
@@ -76,7 +96,13 @@ constexpr int64_t kMinChunksPerSplit = 4;
 
 // Builds the plan. Throws c10::ValueError if a size exceeds what the kernels index with
 // 32-bit counters (S, T, Hq, grid dims) or the scratch size overflows.
-Plan make_plan(const Prepared& in);
+// `family` other than Auto forces that main kernel (tests and benchmarks); forcing the
+// matrix kernel where it has no instantiation throws c10::ValueError.
+Plan make_plan(const Prepared& in, KernelFamily family = KernelFamily::Auto);
+
+// Every kernel name a plan can contain, from the instantiation table
+// (shaders/tree_attn_kernels.h) the shader is built from.
+std::vector<std::string> plan_kernel_names();
 
 // The tensors behind a plan's buffer roles (Params is set as bytes and has none).
 struct CallTensors {

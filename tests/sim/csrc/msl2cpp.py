@@ -11,7 +11,8 @@ directives), so a C++ compile error points at the .metal line. What it does:
   `thread` is dropped, program-scope `constant T x = ...;` -> `static const T x = ...;`;
 - `threadgroup T name[N]...;` in a function body -> one shared allocation per threadgroup;
 - function-like macros that produce attributes (kernel instantiation tables) are expanded
-  by the translator itself, which must read those attributes;
+  by the translator itself, which must read those attributes; so are X-macro tables from
+  included project headers invoked with such a macro as argument;
 - kernels (`kernel`/`[[kernel]]`) lose their attributes; each non-template kernel and each
   explicit instantiation `template [[host_name("n")]] [[kernel]] void f<...>(...);` gets a
   launcher and a registry entry built from its parameter attributes;
@@ -121,9 +122,10 @@ class FunctionAttributes:
 
 
 class Translator:
-    def __init__(self, text: str, filename: str):
+    def __init__(self, text: str, filename: str, source_dir: str | None = None):
         self.filename = filename
         self.text = text
+        self.source_dir = source_dir  # where `#include "x.h"` looks for table macros (None: nowhere)
         self.tokens: list[Token] = []
         self.trailing = ""  # whitespace and comments after the last token
         self.kernels: list[KernelSignature] = []
@@ -384,14 +386,25 @@ class Translator:
         expands its invocations itself (C preprocessor rules for `#`, `##`, adjacent string
         literals inside attributes, rescanning) and drops its #define. Its invocations must
         stand at file scope. Other macros are left to the C++ preprocessor.
+
+        Kernel tables: the function-like macros of a project header included with
+        `#include "x.h"` (found next to the source) are table macros. An invocation of one
+        at file scope with an instantiation macro among its arguments (an X-macro table,
+        `TABLE(INSTANTIATE)`) is expanded here too, with every table and instantiation macro
+        expanded on rescanning; the header itself stays a C++ include, so host code can
+        expand the same table into the list of kernel names.
         """
         macros: dict[str, tuple[list[str], list[Token]]] = {}
+        tables: dict[str, tuple[list[str], list[Token]]] = {}
         out: list[Token] = []
         depth = 0
         i = 0
         while i < len(self.tokens):
             t = self.tokens[i]
             if t.kind == "pp":
+                inc = re.match(r'#\s*include\s+"([^"]+)"', t.text)
+                if inc and self.source_dir is not None:
+                    tables.update(self.header_macros(os.path.join(self.source_dir, inc.group(1)), t.line))
                 m = re.match(r"#\s*define\s+([A-Za-z_]\w*)\(([^)]*)\)(.*)", t.text, re.S)
                 if m:
                     body = Translator(m.group(3), self.filename)
@@ -412,6 +425,20 @@ class Translator:
                 depth += 1
             elif t.kind == "punct" and t.text == "}":
                 depth -= 1
+            if (t.kind == "id" and t.text in tables and t.text not in macros and depth == 0 and
+                    self.is_(i + 1, "(")):
+                args, end = self.macro_args(self.tokens, i + 1, t)
+                if any(len(a) == 1 and a[0].kind == "id" and a[0].text in macros for a in args):
+                    expansion = self.expand_macro({**tables, **macros}, t.text, args, t.line, set())
+                    for k, tok in enumerate(expansion):
+                        tok.line = t.line
+                        tok.pre = (t.pre if k == 0 else " ")
+                    newlines = sum(tok.pre.count("\n") for tok in self.tokens[i + 1:end + 1])
+                    if expansion:
+                        expansion[-1].pre += "\n" * newlines
+                    out.extend(expansion)
+                    i = end + 1
+                    continue
             if t.kind == "id" and t.text in macros:
                 if depth != 0:
                     self.error(t.line, f"instantiation macro '{t.text}' used inside a function or struct")
@@ -430,6 +457,28 @@ class Translator:
             out.append(t)
             i += 1
         self.tokens = out
+
+    def header_macros(self, path: str, line: int) -> dict[str, tuple[list[str], list[Token]]]:
+        """The function-like macros #defined in a project header (none if it is not there:
+        the C++ compiler reports a missing include)."""
+        if not os.path.isfile(path):
+            return {}
+        with open(path, encoding="utf-8") as f:
+            header = Translator(f.read(), self.filename)
+        header.tokenize()
+        found = {}
+        for t in header.tokens:
+            m = re.match(r"#\s*define\s+([A-Za-z_]\w*)\(([^)]*)\)(.*)", t.text, re.S) if t.kind == "pp" else None
+            if m:
+                params = [p.strip() for p in m.group(2).split(",") if p.strip()]
+                if "..." in params:
+                    continue
+                body = Translator(m.group(3), self.filename)
+                body.tokenize()
+                for tok in body.tokens:
+                    tok.line = line
+                found[m.group(1)] = (params, body.tokens)
+        return found
 
     def macro_args(self, tokens: list[Token], i: int, name: Token) -> tuple[list[list[Token]], int]:
         """Arguments of the invocation whose '(' is tokens[i]; returns them and the ')' index."""
@@ -1009,7 +1058,8 @@ def _display_name(filename: str) -> str:
 
 def translate_source(text: str, filename: str = "<msl>") -> str:
     """Translate MSL source text to C++ (raises TranslationError outside the subset)."""
-    return Translator(text, _display_name(filename) if os.sep in filename else filename).translate()
+    source_dir = os.path.dirname(os.path.abspath(filename)) if os.sep in filename else None
+    return Translator(text, _display_name(filename) if os.sep in filename else filename, source_dir).translate()
 
 
 def translate_file(path: str) -> str:

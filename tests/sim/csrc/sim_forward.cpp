@@ -12,9 +12,14 @@
 //   launch_plan -> str  the plan and its traffic model as JSON
 //   traffic -> str      counted vs modelled bytes of each launch, and all its counters
 //                       (runtime.h counter_items), as JSON
+//   plan_kernel_names -> str[]   every kernel name a plan can contain (from the table)
+//   set_kernel_family(str)       "auto", "vector" or "matrix": the main kernel family every
+//                                later plan of this process uses (the plan's internal
+//                                override, for tests); returns the previous setting
 // (`launch` and `kernels`, the raw simulator, are in sim_ops.cpp.)
 #include <torch/library.h>
 
+#include <atomic>
 #include <limits>
 #include <sstream>
 
@@ -27,6 +32,20 @@
 
 namespace tree_attn {
 namespace {
+
+// The family override of set_kernel_family (tests set it around a call, one at a time).
+std::atomic<KernelFamily> g_family{KernelFamily::Auto};
+
+Plan sim_plan(const Prepared& in) { return make_plan(in, g_family.load()); }
+
+std::string set_kernel_family(const std::string& name) {
+  KernelFamily family;
+  if (name == "auto") family = KernelFamily::Auto;
+  else if (name == "vector") family = KernelFamily::Vector;
+  else if (name == "matrix") family = KernelFamily::Matrix;
+  else TORCH_CHECK_VALUE(false, "set_kernel_family: expected 'auto', 'vector' or 'matrix', got '", name, "'");
+  return family_name(g_family.exchange(family));
+}
 
 std::vector<Visibility> visibility_of(const Prepared& in) {
   std::vector<int64_t> offsets;
@@ -114,7 +133,7 @@ std::vector<LaunchRecord> run_plan(const Prepared& in, const Plan& plan, at::Ten
 // do, with the same offset handling (clamped in the kernel, not checked on the host).
 struct SimBackend {
   static constexpr OffsetCheck kOffsetCheck = OffsetCheck::ClampInKernel;
-  static void run(const Prepared& in, at::Tensor& out, at::Tensor& lse) { run_plan(in, make_plan(in), out, lse); }
+  static void run(const Prepared& in, at::Tensor& out, at::Tensor& lse) { run_plan(in, sim_plan(in), out, lse); }
 };
 
 #define TREE_ATTN_ARGS_DECL                                                                           \
@@ -132,12 +151,12 @@ Prepared prepare_for_sim(TREE_ATTN_ARGS_DECL) {
 
 std::string launch_plan_json(TREE_ATTN_ARGS_DECL) {
   const Prepared in = prepare_for_sim(TREE_ATTN_ARGS);
-  return plan_to_json(in, make_plan(in), visibility_of(in));
+  return plan_to_json(in, sim_plan(in), visibility_of(in));
 }
 
 std::string traffic_json(TREE_ATTN_ARGS_DECL) {
   const Prepared in = prepare_for_sim(TREE_ATTN_ARGS);
-  const Plan plan = make_plan(in);
+  const Plan plan = sim_plan(in);
   at::Tensor out = empty_output(in), lse = empty_lse(in);
   std::vector<LaunchRecord> records;
   if (!in.p.empty()) records = run_plan(in, plan, out, lse);
@@ -170,6 +189,8 @@ TORCH_LIBRARY(tree_attn_sim, m) {
   m.def("forward_with_lse" TREE_ATTN_SCHEMA_ARGS " -> (Tensor, Tensor)");
   m.def("launch_plan" TREE_ATTN_SCHEMA_ARGS " -> str", &tree_attn::launch_plan_json);
   m.def("traffic" TREE_ATTN_SCHEMA_ARGS " -> str", &tree_attn::traffic_json);
+  m.def("plan_kernel_names() -> str[]", [] { return tree_attn::plan_kernel_names(); });
+  m.def("set_kernel_family(str family) -> str", &tree_attn::set_kernel_family);
 }
 
 TREE_ATTN_REGISTER_BACKEND(tree_attn_sim, CPU, tree_attn::SimBackend)

@@ -108,7 +108,8 @@ uint64_t count_skipped_keys(const Prepared& in, const Plan& plan, const std::vec
       for (int64_t h = 0; h < p.Hkv; ++h) {
         for (int64_t block = 0; block < plan.params.n_row_blocks; ++block) {
           bool any = false;
-          for (int64_t row = block * TREE_ATTN_BLOCK_ROWS; row < std::min(rows, (block + 1) * TREE_ATTN_BLOCK_ROWS) && !any; ++row) {
+          const int64_t first = block * plan.block_rows, last = std::min(rows, first + plan.block_rows);
+          for (int64_t row = first; row < last && !any; ++row) {
             const int64_t hq = h * p.G + row / p.T, t = row % p.T;
             const bool* entries = seen_at + ((b * p.Hq + hq) * p.T + t) * p.M;
             for (int64_t key = start; key < stop && !any; ++key) any = entries[key - v.offset];
@@ -159,7 +160,8 @@ std::string plan_to_json(const Prepared& in, const Plan& plan, const std::vector
     json_launch(s, plan.launches[i]);
   }
   s << "], \"n_splits\": " << p.n_splits << ", \"split_keys\": " << p.split_keys
-    << ", \"n_row_blocks\": " << p.n_row_blocks << ", \"block_rows\": " << int(TREE_ATTN_BLOCK_ROWS)
+    << ", \"n_row_blocks\": " << p.n_row_blocks << ", \"block_rows\": " << plan.block_rows
+    << ", \"family\": \"" << family_name(plan.family) << "\", \"kv_aligned4\": " << p.kv_aligned4
     << ", \"scratch_bytes\": " << plan.scratch_bytes << ", \"params_bytes\": " << sizeof(TreeAttnParams)
     << ", \"rows_per_kv_head\": " << int64_t(p.G) * p.T << ", \"worst_case\": ";
   json_traffic(s, plan, worst_case_visibility(in.p), 0);
