@@ -87,8 +87,9 @@ def embed_shader_source():
 def sources():
     srcs = glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
     if IS_MACOS:
+        # csrc/metal/: the launch plan (.cpp) and the Objective-C++ MPS host (.mm).
         srcs += glob.glob(os.path.join(ROOT, "csrc", "metal", "*.cpp"))
-        srcs += glob.glob(os.path.join(ROOT, "csrc", "mps", "*.mm"))
+        srcs += glob.glob(os.path.join(ROOT, "csrc", "metal", "*.mm"))
     return sorted(rel(s) for s in srcs)
 
 

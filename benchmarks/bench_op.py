@@ -48,6 +48,15 @@ tree_attn is faster) and the fraction of the H200 limit max(FLOPs / 790e12, byte
 4.3e12) each method reaches; --json PATH and --plot PATH (matplotlib, optional) save it.
 
     python benchmarks/bench_op.py --device cuda --json out.json --plot out.png
+
+`--device mps-model` runs nothing on a GPU: for each Apple chip of benchmarks/apple_chips.py
+it prints the time benchmarks/metal_cost.py *models* for the Metal plan (v1 vector kernel,
+v2 matrix kernel, their ratio and what bounds each) from the simulator's counted work
+(needs the simulator, tests/sim, built). Shapes llama and gemma4-global, bfloat16, float16,
+float32, P in {1024, 4096, 16384} unless given. Modelled, not measured; --json writes
+each plan JSON with its modelled times added.
+
+    python benchmarks/bench_op.py --device mps-model --json model.json
 """
 import argparse
 import dataclasses
@@ -358,9 +367,111 @@ def plot(rows, methods, path):
     print(f"wrote {path}")
 
 
+# --- Apple GPUs: the cost model (modelled, not measured) ---------------------------------
+
+def mps_model_main(args):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "sim"))
+    try:
+        import metal_cost
+    except ImportError as e:
+        sys.exit(f"--device mps-model needs the Metal simulator (cd tests/sim && python setup.py build_ext "
+                 f"--inplace): {e}")
+    from apple_chips import CHIPS
+
+    label = metal_cost.LABEL.upper()
+    shapes = args.shape if args.shape_given else ["llama", "gemma4-global"]
+    dtypes = args.dtype if args.dtype_given else ["bfloat16", "float16", "float32"]
+    for name in dtypes:
+        if DTYPES[name][0] != DTYPES[name][1]:
+            sys.exit(f"--device mps-model: {name} is not modelled (one dtype for query and cache)")
+    families = ["vector", "matrix"] if metal_cost.has_family_override() else [None]
+    print(f"Metal plan on Apple GPUs: {label}. Times come from the simulator's counted work and published "
+          f"per-chip figures (benchmarks/metal_cost.py states every assumption); no Apple GPU ran anything.")
+    if families == [None]:
+        print("this simulator has no kernel-family override: only the plan's own choice is modelled (as v1)")
+    results = []
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        for dtype_name in dtypes:
+            for P in args.prefix:
+                problem = metal_cost.Problem(Hq=shape.Hq, Hkv=shape.Hkv, D=shape.D, P=P, dtype=dtype_name)
+                per_family = {}
+                for family in families:
+                    try:
+                        per_family[family] = metal_cost.model(problem, CHIPS, family)
+                    except (ValueError, RuntimeError) as e:  # v2 has no instantiation here (D = 512)
+                        per_family[family] = (None, str(e).splitlines()[0][:200])
+                results.append((shape_name, dtype_name, P, per_family))
+    v1, v2 = families[0], families[-1] if len(families) > 1 else None
+    header = (f"{'chip':<7} {'shape':<14} {'dtype':<9} {'P':>6} | {'v1 us':>9} {'bound':>11} | {'v2 us':>9} "
+              f"{'bound':>11} | {'v1/v2':>6}   ({label})")
+    rows = []
+    for chip in CHIPS:
+        print(f"\n{chip.name}: {chip.gpu_cores} GPU cores, {chip.clock_mhz:.0f} MHz, {chip.bandwidth_gbs:g} GB/s"
+              + (f" (estimated: {', '.join(chip.estimated)})" if chip.estimated else ""))
+        print(header)
+        print("-" * len(header))
+        for shape_name, dtype_name, P, per_family in results:
+            cells, row = [], dict(chip=chip.name, shape=shape_name, dtype=dtype_name, P=P, label=metal_cost.LABEL)
+            for tag, family in (("v1", v1), ("v2", v2)):
+                times, plan = per_family.get(family, (None, "not modelled")) if family or tag == "v1" else (None,
+                                                                                                      "n/a")
+                if times is None:
+                    cells.append(f"{'n/a':>9} {'':>11}")
+                    row[tag] = dict(error=plan)
+                else:
+                    t = times[chip.name]
+                    cells.append(f"{t.total_us:>9.1f} {t.bound:>11}")
+                    row[tag] = dict(modelled_us=t.total_us, bound=t.bound, kernel=t.launches[0].kernel)
+            ratio = (row["v1"]["modelled_us"] / row["v2"]["modelled_us"]
+                     if "modelled_us" in row["v1"] and "modelled_us" in row.get("v2", {}) else None)
+            row["v1_over_v2"] = ratio
+            rows.append(row)
+            print(f"{chip.name:<7} {shape_name:<14} {dtype_name:<9} {P:>6} | {cells[0]} | {cells[1]} | "
+                  + (f"{ratio:>5.2f}x" if ratio else f"{'-':>6}"), flush=True)
+    if args.json:
+        import json
+
+        plans = [dict(shape=s, dtype=d, P=P, family=f or "auto", plan=r[1])
+                 for s, d, P, pf in results for f, r in pf.items() if r[0] is not None]
+        with open(args.json, "w") as f:
+            json.dump(dict(label=metal_cost.LABEL, chips=[dataclasses.asdict(c) for c in CHIPS], rows=rows,
+                           plans=plans), f, indent=1)
+        print(f"wrote {args.json} ({metal_cost.LABEL})")
+    if args.plot:
+        plot_model(rows, args.plot, metal_cost.LABEL)
+
+
+def plot_model(rows, path, label):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed, no plot written")
+        return
+    picked = [r for r in rows if r["shape"] == "llama" and r["dtype"] == rows[0]["dtype"] and r["P"] == max(
+        x["P"] for x in rows)]
+    fig, ax = plt.subplots(figsize=(1.0 * len(picked) + 2, 4.5))
+    for j, tag in enumerate(("v1", "v2")):
+        ys = [r[tag].get("modelled_us", float("nan")) for r in picked]
+        ax.bar([i + (j - 0.5) * 0.4 for i in range(len(picked))], ys, 0.4, label=tag)
+    ax.set_xticks(range(len(picked)))
+    ax.set_xticklabels([r["chip"] for r in picked], rotation=45)
+    ax.set_ylabel(f"µs ({label})")
+    if picked:
+        ax.set_title(f"llama shape, {picked[0]['dtype']}, P={picked[0]['P']}: {label}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "mps", "cuda"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "mps", "cuda", "mps-model"])
     parser.add_argument("--shape", nargs="+", default=["llama"], choices=list(SHAPES))
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     parser.add_argument("--prefix", nargs="+", type=int, default=[1024, 4096, 16384], help="prefix lengths P")
@@ -369,10 +480,16 @@ def main(argv=None):
                         help="stop a measurement after this long once it has 3 runs")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--quick", action="store_true", help="smoke run: P=256, 3 runs, float32 only")
-    parser.add_argument("--json", default=None, help="(cuda) write the results as JSON here")
-    parser.add_argument("--plot", default=None, help="(cuda) write a PNG bar chart here (needs matplotlib)")
+    parser.add_argument("--json", default=None, help="(cuda, mps-model) write the results as JSON here")
+    parser.add_argument("--plot", default=None,
+                        help="(cuda, mps-model) write a PNG bar chart here (needs matplotlib)")
     args = parser.parse_args(argv)
-    args.prefix_given = any(a.startswith("--prefix") for a in (sys.argv[1:] if argv is None else argv))
+    given = sys.argv[1:] if argv is None else argv
+    args.prefix_given = any(a.startswith("--prefix") for a in given)
+    args.shape_given = any(a.startswith("--shape") for a in given)
+    args.dtype_given = any(a.startswith("--dtype") for a in given)
+    if args.device == "mps-model":
+        return mps_model_main(args)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: CUDA is not available in this torch build")

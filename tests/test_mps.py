@@ -1,5 +1,5 @@
 """The MPS backend on a real Apple GPU: our Metal kernels, encoded into PyTorch's MPS
-stream by csrc/mps/tree_attn_mps.mm.
+stream by csrc/metal/tree_attn_mps.mm.
 
 Skipped wherever MPS is unavailable (Linux, CI): there the Objective-C++ is checked by
 tests/test_objc_syntax.py and the shaders by the simulator (tests/test_metal_sim.py).

@@ -1,8 +1,8 @@
-"""The Objective-C++ MPS backend (csrc/mps/*.mm), checked without a Mac.
+"""The Objective-C++ MPS backend (csrc/metal/*.mm), checked without a Mac.
 
 clang parses every .mm in Objective-C++ mode with ARC and blocks, against the real
 PyTorch headers (including ATen/mps/MPSStream.h's Objective-C half) and the minimal
-Apple declarations in csrc/mps/apple_sdk/, which spell every selector and argument type
+Apple declarations in tests/objc/apple_sdk/, which spell every selector and argument type
 as Apple's SDK does. Under these flags a misspelt or undeclared selector, a wrong
 argument type, an implicit signed-to-NSUInteger conversion, or a call to an API the
 backend must not use (ending PyTorch's encoder, opening our own) is an error. The
@@ -11,7 +11,7 @@ snippets, must each fail with the expected diagnostic.
 
 What this cannot prove (a Mac runs tests/test_mps.py for that): that the shaders
 compile under Metal, that the kernels are right on a GPU, and that the declarations in
-csrc/mps/apple_sdk/ match the SDK (they are reviewed against Apple's documentation).
+tests/objc/apple_sdk/ match the SDK (they are reviewed against Apple's documentation).
 
 clang comes from Debian's `clang` package (`.ci/run` installs it); without it the test is
 skipped locally and fails under CI, where a skip would hide the check.
@@ -28,9 +28,10 @@ from torch.utils import cpp_extension
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
-APPLE_SDK = CSRC / "mps" / "apple_sdk"
-MM_SOURCES = sorted((CSRC / "mps").glob("*.mm"))
-BACKEND = CSRC / "mps" / "tree_attn_mps.mm"
+METAL = CSRC / "metal"
+APPLE_SDK = ROOT / "tests" / "objc" / "apple_sdk"
+MM_SOURCES = sorted(METAL.glob("*.mm"))
+BACKEND = METAL / "tree_attn_mps.mm"
 
 # -fobjc-arc: a selector declared nowhere is an error (not a warning) under ARC.
 # -fobjc-runtime=macosx-14.0: the Apple runtime, as on the Macs PyTorch supports.
@@ -72,8 +73,8 @@ def generated_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def clang_command(source: pathlib.Path, generated: pathlib.Path, std: str = "c++20") -> list:
-    # -iquote csrc/mps: a copy of a backend file elsewhere still finds its neighbours.
-    include = ["-iquote", str(CSRC / "mps"), "-isystem", str(APPLE_SDK)]
+    # -iquote csrc/metal: a copy of a backend file elsewhere still finds its neighbours.
+    include = ["-iquote", str(METAL), "-isystem", str(APPLE_SDK)]
     for path in cpp_extension.include_paths():
         include += ["-isystem", path]
     include += ["-isystem", sysconfig.get_paths()["include"]]
@@ -87,7 +88,7 @@ def run_clang(source: pathlib.Path, generated: pathlib.Path, std: str = "c++20")
 
 def test_backend_sources_exist():
     names = {p.name for p in MM_SOURCES}
-    assert "tree_attn_mps.mm" in names, f"no MPS backend among csrc/mps/*.mm: {sorted(names)}"
+    assert "tree_attn_mps.mm" in names, f"no MPS backend among csrc/metal/*.mm: {sorted(names)}"
 
 
 @pytest.mark.parametrize("std", STANDARDS)

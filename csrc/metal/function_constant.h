@@ -1,6 +1,6 @@
 // Metal function constants (MSL `constant T name [[function_constant(i)]];`): the values a
 // launch's pipeline is specialised with, in portable C++. The MPS host hands them to Metal as
-// MTLFunctionConstantValues when it creates the pipeline (csrc/mps/pipeline_cache.mm); the
+// MTLFunctionConstantValues when it creates the pipeline (csrc/metal/pipeline_cache.mm); the
 // simulator (tests/sim) reads them at run time. A kernel name plus its constant values
 // identifies one pipeline.
 #pragma once

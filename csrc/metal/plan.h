@@ -4,7 +4,7 @@
 // instantiation table shaders/tree_attn_kernels.h, which shaders/tree_attention.metal
 // expands), grid, threadgroup size,
 // threadgroup memory, buffer bindings with byte offsets, the parameter block and the
-// scratch buffer. Both the MPS backend (csrc/mps/*.mm) and the CPU simulator
+// scratch buffer. Both the MPS backend (csrc/metal/*.mm) and the CPU simulator
 // (tests/sim/csrc/sim_forward.cpp) encode exactly this plan, so the only code that differs
 // between them is the encoding itself.
 //
