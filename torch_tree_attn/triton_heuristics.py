@@ -6,8 +6,7 @@ head are its G x T (query head, tree node) pairs stacked -- and one key split. T
 (ceil(G*T / BLOCK_M), B * Hkv, num_splits). Each K/V byte is read once per program that
 covers it: ceil(G*T / BLOCK_M) times in all (from L2 after the first), whatever the split.
 
-CONFIGS is a table of placeholders, to be tuned on the H200 (benchmarks/bench_op.py
---device cuda); keys are (head dim, dot kind): "half" = float16/bfloat16 query and K/V
+CONFIGS holds tiles tuned on the H200 (benchmarks/tune_cuda.py); keys are (head dim, dot kind): "half" = float16/bfloat16 query and K/V
 (tensor-core tl.dot), "f32" = float32 query (tl.dot with input_precision="ieee", K/V
 upcast to float32).
 """
@@ -15,13 +14,23 @@ import dataclasses
 import functools
 from typing import Optional
 
-# (D, dot kind) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). PLACEHOLDERS: not tuned yet.
+# (D, dot kind) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), tuned on an H200 (132 SMs,
+# triton 3.6, torch 2.11) with benchmarks/tune_cuda.py, CUDA-graph replays, the split model
+# below choosing the splits (its choice was the measured best split count, or within 3%):
+#   bf16 D=128 Hq32/Hkv8 T64: P=4096 22.9 us, P=16384 51.6, P=65536 153.6 with (128, 64, 8, 3)
+#     (64x64 tiles lose 3-6%; 128x128 ties); B=8 P=16384 300.7 with (64, 64, 4, 3), 324 with
+#     (128, 64, 8, 3); T=16 P=16384 31.8 with 64 rows (BLOCK_M is clamped to G*T).
+#   bf16 D=64 Hq64/Hkv8: (64, 128, 4, 3) 63.2 us at P=16384; D=256 Hq16/Hkv8: (128, 64, 8, 2)
+#     68.4; D=512 Hq8/Hkv2: (32, 32, 4, 1) 194.6 (larger tiles spill).
+#   float32 D=128: (32, 32, 4, 2) 1633 us at P=16384: IEEE float32 tl.dot has no tensor-core
+#     path (TF32 would lose precision); the other float32 entries are scaled from it, untuned.
+#   D=96 takes D=128's tiles (not measured).
 CONFIGS = {
-    (64, "half"): (128, 64, 8, 2),
-    (96, "half"): (128, 64, 8, 2),
-    (128, "half"): (128, 64, 8, 2),
-    (256, "half"): (64, 64, 8, 3),
-    (512, "half"): (32, 32, 8, 1),
+    (64, "half"): (64, 128, 4, 3),
+    (96, "half"): (128, 64, 8, 3),
+    (128, "half"): (128, 64, 8, 3),
+    (256, "half"): (128, 64, 8, 2),
+    (512, "half"): (32, 32, 4, 1),
     (64, "f32"): (32, 32, 4, 2),
     (96, "f32"): (32, 32, 4, 2),
     (128, "f32"): (32, 32, 4, 2),
@@ -33,7 +42,8 @@ CONFIGS = {
 #   waves(s) * (ceil(tiles / s) + PROGRAM_OVERHEAD_TILES) + [s > 1] * REDUCE_COST_TILES
 # with waves(s) = ceil(programs(s) / (SMs * programs per SM)); the smallest s reaching the
 # minimum wins (fewer partials). Only when the rows alone leave SMs idle. At most MAX_SPLITS splits (the reduce kernel reads every
-# split's partial). PLACEHOLDERS until tuned.
+# split's partial). On the H200 this picks the measured best split count at every tuned
+# shape.
 # Programs resident per SM: the kernels use all 255 registers a thread may have (ptxas,
 # sm_90a), so registers decide: 65536 per SM / (threads per program * 255).
 REGISTERS_PER_SM = 65536
