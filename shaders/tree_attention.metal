@@ -283,27 +283,40 @@ template <typename QT, typename KVT, int D, typename MaskT>
 // vector kernel above; only the tiling and the arithmetic differ.
 //
 // Tiling plan. A threadgroup owns rows [64 rb, 64 rb + 64) of kv head h's G x T rows
-// (row = g * T + t) and walks the keys of its split in chunks of 32. Its 8 simdgroups own
-// 8 rows each: simdgroup k holds rows [8k, 8k + 8) of the block as D/8 8x8 float matrices
-// of query (pre-scaled) and D/8 of output accumulator, and their online softmax, where
-// lane j owns key j of each chunk (as in the vector kernel). Per chunk:
+// (row = g * T + t) and walks the keys of its split in chunks of 32. Its 8 row groups own
+// 8 rows each. A row group is PARTS = TREE_ATTN_MMA_DIM_PARTS(D) simdgroups (1 at
+// D <= 256, 2 at D = 512; simdgroup k is part k / 8 of row group k % 8), each holding the
+// group's 8 rows in 1 / PARTS of the head dims as 8x8 float matrices of query (pre-scaled)
+// and of output accumulator: D / (8 PARTS) of each, at most 32 + 32 matrices, i.e. 64 + 64
+// floats per lane. Part p owns, of every staged head-dim slice, the p-th 1 / PARTS of it
+// (at D = 512: dims [128 s + 64 p, 128 s + 64 p + 64) of slice s), so every slice feeds
+// every simdgroup. Part 0 of a row group, its lead, also owns the rows' online softmax,
+// where lane j owns key j of each chunk (as in the vector kernel): only the lead reads the
+// mask. Per chunk:
 //   1. K is staged as float in a padded tile [32 keys][SLICE_D + 4], in slices of at most
-//      128 head dims: simdgroup k stages keys 4k..4k+3, its lanes read 4-vectors of a key
-//      row side by side (contiguous device loads);
-//   2. S = Q K^T, 8 x 32 per simdgroup in 4 accumulators, D/8 products each, stored to the
-//      simdgroup's 8 rows of the score tile [64][32 + 4];
-//   3. the softmax reads the score tile lane = key and writes P in its place; the output
-//      accumulators are rescaled row by row through thread_elements();
+//      128 head dims: simdgroup k stages keys 32k / NSG.. of the 32, its lanes read
+//      4-vectors of a key row side by side (contiguous device loads);
+//   2. S = Q K^T, 8 x 32 per simdgroup in 4 accumulators over its own head dims, stored to
+//      the row group's 8 rows of the score tile [64][32 + 4]. With two parts, part 1 stores
+//      its partial scores first and the lead adds them to its own (S = S_0 + S_1, a fixed
+//      order) before storing the sum;
+//   3. the lead's softmax reads the score tile lane = key and writes P in its place; with
+//      two parts it also hands each row's rescale factor to part 1 through threadgroup
+//      memory; every simdgroup rescales its accumulators row by row through
+//      thread_elements();
 //   4. V is staged like K (non-finite elements as 0, flagged per key, see below) and
-//      O += P V: D/8 accumulators, 4 products each.
+//      O += P V over each simdgroup's own head dims, 4 products per 8 dims.
+// Simdgroup matrix products per visited chunk: 2 x (D / 8) x 4 per row group, 8 D per
+// threadgroup (tests/sim/csrc/traffic.h, modelled_main_simdgroup_mmas).
 // Traffic: each visible K and V byte is fetched from device memory once per threadgroup,
 // i.e. ceil(G * T / 64) times per call where the least possible is once; a chunk that the
 // window mask hides from every row of the block is never fetched. The query is read once
-// per live split, the mask once, partials written once, as by the vector kernel.
-// Threadgroup memory: TREE_ATTN_MMA_TILE_FLOATS(D) floats, 25.6 KB at D >= 128; rows padded
-// by 16 bytes against bank conflicts. Registers: D/4 floats of query and D/4 of
-// accumulator per lane (64 + 64 at D = 256). At D = 512 that would be 128 + 128, so D = 512
-// keeps the vector kernel (32 rows, 64 floats a lane).
+// per live split (each part reads its own dims), the mask once, partials written once, as
+// by the vector kernel.
+// Threadgroup memory: TREE_ATTN_MMA_TILE_FLOATS(D) floats, 25.6 KB at D = 128 and 256,
+// 25.9 KB at D = 512 (64 floats more: the rows' exchange); rows padded by 16 bytes against
+// bank conflicts. The float32 tile is the same for every K/V dtype. Threads: 256, or 512
+// at D = 512 (the host checks the pipeline's limit).
 //
 // Precision: float32 products and accumulators. The MSL specification (3.1, section 6.7,
 // SIMD-group matrix functions) declares simdgroup_multiply_accumulate(d, a, b, c) with one
@@ -315,11 +328,13 @@ template <typename QT, typename KVT, int D, typename MaskT>
 // one more hazard. A matrix product mixes keys: in P V a NaN or inf value of a key some
 // row does not see would reach that row as 0 * NaN. So V staging replaces a non-finite
 // element by 0 (selection) and flags its key; a row that sees a flagged key is poisoned.
-// Q K^T mixes only head dims: entry (row, key) is the vector kernel's raw score, so the
-// same score test poisons exactly the rows that see a non-finite query or key element.
+// Q K^T mixes only head dims: entry (row, key) is the vector kernel's raw score (with two
+// parts, a sum of two partial dots, non-finite when either is), so the same score test
+// poisons exactly the rows that see a non-finite query or key element.
 // P holds exactly 0 for keys a row does not see (and for zero-filled keys past the
 // range). An accumulator can still overflow: any non-finite accumulator element poisons
-// its row at the end, as in the vector kernel.
+// its row at the end, as in the vector kernel; with two parts, part 1 hands its rows'
+// verdicts to the lead, which writes m and l.
 // ---------------------------------------------------------------------------------------
 
 // Where a lane's two elements sit in every 8x8 simdgroup matrix (the Apple GPU layout):
@@ -331,13 +346,14 @@ inline ushort2 mma_lane_position(ushort lane) {
 
 // Stages keys [0, 32) of one head-dim slice of K or V, rows `stride` elements apart from
 // `src`, as float into tile[32][LD]; keys at or past `chunk_len` are zero-filled, never
-// read. Simdgroup k stages keys 4k..4k+3; lane l loads the 4-vectors l, l + 32, ... of a
-// key's slice. SANITISE: a non-finite element is staged as 0, and bit i of the result
-// (the same in every lane) is set when key 4k + i had one.
-template <typename KVT, int SLICE_D, int LD, bool SANITISE>
+// read. With NSG simdgroups, simdgroup k stages keys k * KEYS.. (KEYS = 32 / NSG); lane l
+// loads the 4-vectors l, l + 32, ... of a key's slice. SANITISE: a non-finite element is
+// staged as 0, and bit i of the result (the same in every lane) is set when key
+// k * KEYS + i had one.
+template <typename KVT, int SLICE_D, int LD, int NSG, bool SANITISE>
 inline uint mma_stage_slice(threadgroup float* tile, device const KVT* src, long stride, int chunk_len,
                             bool vector_loads, ushort simd_index, ushort lane) {
-  constexpr int KEYS = TREE_ATTN_CHUNK_KEYS / TREE_ATTN_MMA_SIMDGROUPS;
+  constexpr int KEYS = TREE_ATTN_CHUNK_KEYS / NSG;
   constexpr int VECTORS = SLICE_D / 4;
   uint flagged = 0;
   for (int kk = 0; kk < KEYS; ++kk) {
@@ -369,6 +385,13 @@ inline uint mma_stage_slice(threadgroup float* tile, device const KVT* src, long
   return flagged;
 }
 
+// The first of the 8 head dims that matrix n of a simdgroup's query and accumulator covers:
+// the part's share of slice n / PART_DT, which starts at part_dim0 within the slice.
+template <int SLICE_D, int PART_DT>
+inline int mma_part_dim(int n, int part_dim0) {
+  return (n / PART_DT) * SLICE_D + part_dim0 + (n % PART_DT) * 8;
+}
+
 template <typename QT, typename KVT, int D, typename MaskT>
 [[kernel]] void tree_attn_mma(
     constant TreeAttnParams& p [[buffer(0)]],
@@ -384,23 +407,34 @@ template <typename QT, typename KVT, int D, typename MaskT>
     uint3 group [[threadgroup_position_in_grid]],
     ushort simd_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
-  constexpr int NSG = TREE_ATTN_MMA_SIMDGROUPS;
-  constexpr int ROWS = 8;  // per simdgroup: one row of 8x8 matrices
+  constexpr int GROUPS = TREE_ATTN_MMA_ROW_GROUPS;
+  constexpr int PARTS = TREE_ATTN_MMA_DIM_PARTS(D);  // simdgroups per row group
+  constexpr int NSG = TREE_ATTN_MMA_SIMDGROUPS(D);
+  constexpr int ROWS = 8;  // per row group: one row of 8x8 matrices
   constexpr int CHUNK = TREE_ATTN_CHUNK_KEYS;
   constexpr int SLICE_D = TREE_ATTN_MMA_SLICE_DIMS(D);
   constexpr int SLICES = D / SLICE_D;
   constexpr int LD_KV = SLICE_D + TREE_ATTN_MMA_PAD;  // K/V tile row, floats
   constexpr int LD_S = CHUNK + TREE_ATTN_MMA_PAD;     // score tile row, floats
-  constexpr int DT = D / 8;                           // 8-dim matrices of a row's query / output
-  constexpr int SLICE_DT = SLICE_D / 8;
+  constexpr int PART_DT = SLICE_D / 8 / PARTS;        // 8-dim matrices of a slice a part owns
+  constexpr int DT = SLICES * PART_DT;                // 8-dim matrices of query / output a simdgroup holds
   constexpr int KT = CHUNK / 8;                       // 8-key matrices of a chunk
   constexpr int KEYS_PER_SIMDGROUP = CHUNK / NSG;     // staged by each simdgroup
-  static_assert(NSG * ROWS == TREE_ATTN_MMA_BLOCK_ROWS && D % SLICE_D == 0 && SLICE_D % 8 == 0, "tiling");
+  static_assert(GROUPS * ROWS == TREE_ATTN_MMA_BLOCK_ROWS && NSG == GROUPS * PARTS, "tiling");
+  static_assert(D % SLICE_D == 0 && SLICE_D % (8 * PARTS) == 0 && CHUNK % NSG == 0, "tiling");
 
-  threadgroup float* kv_tile = tile;                            // [32][LD_KV]: K, then V
-  threadgroup float* score_tile = tile + CHUNK * LD_KV;         // [64][LD_S]: S, then P
-  threadgroup float* key_flag = score_tile + NSG * ROWS * LD_S;  // [32]: V of key j non-finite
-  threadgroup float* my_scores = score_tile + int(simd_index) * ROWS * LD_S;
+  const int row_group = int(simd_index) % GROUPS;
+  const int part = int(simd_index) / GROUPS;
+  const bool lead = part == 0;  // owns the softmax, the mask reads and m, l
+
+  threadgroup float* kv_tile = tile;                               // [32][LD_KV]: K, then V
+  threadgroup float* score_tile = tile + CHUNK * LD_KV;            // [64][LD_S]: S, then P
+  threadgroup float* key_flag = score_tile + GROUPS * ROWS * LD_S;  // [32]: V of key j non-finite
+  // [64], PARTS > 1 only: per row, the lead's rescale factor in the chunk loop, then part
+  // 1's poison verdict at the end.
+  threadgroup float* row_exchange = key_flag + CHUNK;
+  threadgroup float* my_scores = score_tile + row_group * ROWS * LD_S;
+  threadgroup float* my_exchange = row_exchange + row_group * ROWS;
 
   const int split = int(group.x);
   const int b = int(group.z) / p.Hkv;
@@ -413,8 +447,8 @@ template <typename QT, typename KVT, int D, typename MaskT>
   const int begin = split * p.split_keys;
   const int end = begin + clamp(visible_end - begin, 0, p.split_keys);
 
-  // The simdgroup's rows, for the softmax (lane = key) and the mask.
-  const int row0 = int(group.y) * TREE_ATTN_MMA_BLOCK_ROWS + int(simd_index) * ROWS;
+  // The row group's rows, for the softmax (lane = key) and the mask.
+  const int row0 = int(group.y) * TREE_ATTN_MMA_BLOCK_ROWS + row_group * ROWS;
   bool row_valid[ROWS];
   int row_head[ROWS];
   int row_node[ROWS];
@@ -429,9 +463,11 @@ template <typename QT, typename KVT, int D, typename MaskT>
   const ushort2 mine = mma_lane_position(lane);
   const int my_row = row0 + int(mine.y);
   const bool my_row_valid = my_row < rows_per_head;
+  // The part's head dims within each slice start at part_dim0 (see mma_part_dim).
+  const int part_dim0 = part * PART_DT * 8;
 
-  simdgroup_float8x8 q[DT];  // rows x head dims 8i..8i+7, pre-scaled
-  simdgroup_float8x8 o[DT];  // rows x head dims 8i..8i+7
+  simdgroup_float8x8 q[DT];  // rows x 8 of the part's head dims, pre-scaled
+  simdgroup_float8x8 o[DT];  // rows x 8 of the part's head dims
   {
     const int g = my_row_valid ? my_row / p.T : 0;
     const int t = my_row_valid ? my_row % p.T : 0;
@@ -439,11 +475,13 @@ template <typename QT, typename KVT, int D, typename MaskT>
     const bool load = my_row_valid && begin < end;
     for (int i = 0; i < DT; ++i) {
       o[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      const long at = q_base + mma_part_dim<SLICE_D, PART_DT>(i, part_dim0) + int(mine.x);
       for (int e = 0; e < 2; ++e) {
-        q[i].thread_elements()[e] = load ? float(query[q_base + 8 * i + int(mine.x) + e]) * p.scale : 0.0f;
+        q[i].thread_elements()[e] = load ? float(query[at + e]) * p.scale : 0.0f;
       }
     }
   }
+  // The lead's softmax state; the other parts keep theirs at the initial values.
   float m[ROWS];      // running max of the scores (the same in every lane)
   float l[ROWS];      // running sum of exp(score - m)
   bool poison[ROWS];  // this lane's key of some chunk poisons the row
@@ -461,10 +499,11 @@ template <typename QT, typename KVT, int D, typename MaskT>
     const int chunk_len = min(CHUNK, end - chunk);
     const int key_index = chunk + int(lane);
 
-    // The bias each of my rows gives key `key_index` (as in the vector kernel).
+    // The bias each of my rows gives key `key_index` (as in the vector kernel); the lead's
+    // only, so each mask entry is read once.
     float bias[ROWS];
     for (int r = 0; r < ROWS; ++r) {
-      if (key_index >= end || !row_valid[r]) {
+      if (!lead || key_index >= end || !row_valid[r]) {
         bias[r] = -INFINITY;
       } else if (key_index < off) {
         bias[r] = 0.0f;
@@ -476,66 +515,107 @@ template <typename QT, typename KVT, int D, typename MaskT>
       }
     }
 
-    // Chunk skipping, decided for the whole threadgroup before K is fetched; the flags
-    // borrow the score tile, free between chunks.
+    // Chunk skipping, decided for the whole threadgroup from the leads' flags before K is
+    // fetched; the flags borrow the score tile, free between chunks.
     if (chunk >= off) {
-      bool seen = false;
-      for (int r = 0; r < ROWS; ++r) seen = seen || !(bias[r] == -INFINITY);
-      const bool simdgroup_sees = simd_any(seen);
-      if (lane == 0) score_tile[simd_index] = simdgroup_sees ? 1.0f : 0.0f;
+      if (lead) {
+        bool seen = false;
+        for (int r = 0; r < ROWS; ++r) seen = seen || !(bias[r] == -INFINITY);
+        const bool simdgroup_sees = simd_any(seen);
+        if (lane == 0) score_tile[row_group] = simdgroup_sees ? 1.0f : 0.0f;
+      }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       bool block_sees = false;
-      for (int k = 0; k < NSG; ++k) block_sees = block_sees || score_tile[k] != 0.0f;
+      for (int k = 0; k < GROUPS; ++k) block_sees = block_sees || score_tile[k] != 0.0f;
       threadgroup_barrier(mem_flags::mem_threadgroup);
       if (!block_sees) continue;
     }
 
-    // S = Q K^T, slice by slice of the head dim.
+    // S = Q K^T over the simdgroup's head dims, slice by slice.
     simdgroup_float8x8 s[KT];
     for (int j = 0; j < KT; ++j) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (int slice = 0; slice < SLICES; ++slice) {
       if (slice > 0) threadgroup_barrier(mem_flags::mem_threadgroup);  // the last slice is read
-      mma_stage_slice<KVT, SLICE_D, LD_KV, false>(kv_tile, key + k_base + long(chunk) * p.k_stride_s + slice * SLICE_D,
-                                                  p.k_stride_s, chunk_len, vector_loads, simd_index, lane);
+      mma_stage_slice<KVT, SLICE_D, LD_KV, NSG, false>(kv_tile,
+                                                       key + k_base + long(chunk) * p.k_stride_s + slice * SLICE_D,
+                                                       p.k_stride_s, chunk_len, vector_loads, simd_index, lane);
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (int i = 0; i < SLICE_DT; ++i) {
+      for (int i = 0; i < PART_DT; ++i) {
         for (int j = 0; j < KT; ++j) {
-          simdgroup_float8x8 k_t;  // K^T: head dims 8i.. x keys 8j..
-          simdgroup_load(k_t, kv_tile + j * 8 * LD_KV + i * 8, LD_KV, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(s[j], q[slice * SLICE_DT + i], k_t, s[j]);
+          simdgroup_float8x8 k_t;  // K^T: head dims part_dim0 + 8i.. of the slice x keys 8j..
+          simdgroup_load(k_t, kv_tile + j * 8 * LD_KV + part_dim0 + i * 8, LD_KV, ulong2(0, 0), true);
+          simdgroup_multiply_accumulate(s[j], q[slice * PART_DT + i], k_t, s[j]);
         }
       }
     }
-    for (int j = 0; j < KT; ++j) simdgroup_store(s[j], my_scores + j * 8, LD_S);
-    simdgroup_barrier(mem_flags::mem_threadgroup);
+    if (PARTS > 1) {
+      // The row group's scores: part 1's partial dots, then the lead's added to them.
+      if (!lead) {
+        for (int j = 0; j < KT; ++j) simdgroup_store(s[j], my_scores + j * 8, LD_S);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (lead) {
+        for (int j = 0; j < KT; ++j) {
+          simdgroup_float8x8 other;
+          simdgroup_load(other, my_scores + j * 8, LD_S);
+          s[j].thread_elements()[0] += other.thread_elements()[0];
+          s[j].thread_elements()[1] += other.thread_elements()[1];
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+      }
+    }
+    if (lead) {
+      for (int j = 0; j < KT; ++j) simdgroup_store(s[j], my_scores + j * 8, LD_S);
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+    }
 
     // Online softmax, row by row, lane = key (the vector kernel's rules); P replaces S.
-    bool sees[ROWS];      // row r sees my key
+    bool sees[ROWS];      // row r sees my key (false outside the lead)
     float rescale[ROWS];  // the same in every lane
     for (int r = 0; r < ROWS; ++r) {
-      const float raw = my_scores[r * LD_S + lane];
-      sees[r] = !(bias[r] == -INFINITY);
-      const bool bad = sees[r] && !(isfinite(raw) && isfinite(bias[r]));
-      poison[r] = poison[r] || bad;
-      float score = raw;
-      if (p.softcap > 0.0f) score = p.softcap * tanh(score / p.softcap);
-      score = (sees[r] && !bad) ? score + bias[r] : -INFINITY;
+      sees[r] = false;
+      rescale[r] = 1.0f;
+    }
+    if (lead) {
+      for (int r = 0; r < ROWS; ++r) {
+        const float raw = my_scores[r * LD_S + lane];
+        sees[r] = !(bias[r] == -INFINITY);
+        const bool bad = sees[r] && !(isfinite(raw) && isfinite(bias[r]));
+        poison[r] = poison[r] || bad;
+        float score = raw;
+        if (p.softcap > 0.0f) score = p.softcap * tanh(score / p.softcap);
+        score = (sees[r] && !bad) ? score + bias[r] : -INFINITY;
 
-      const float m_new = max(m[r], simd_max(score));
-      const bool nothing_seen = m_new == -INFINITY;
-      rescale[r] = nothing_seen ? 1.0f : exp(m[r] - m_new);
-      const float prob = nothing_seen ? 0.0f : exp(score - m_new);
-      l[r] = l[r] * rescale[r] + simd_sum(prob);
-      m[r] = m_new;
-      my_scores[r * LD_S + lane] = sees[r] ? prob : 0.0f;
+        const float m_new = max(m[r], simd_max(score));
+        const bool nothing_seen = m_new == -INFINITY;
+        rescale[r] = nothing_seen ? 1.0f : exp(m[r] - m_new);
+        const float prob = nothing_seen ? 0.0f : exp(score - m_new);
+        l[r] = l[r] * rescale[r] + simd_sum(prob);
+        m[r] = m_new;
+        my_scores[r * LD_S + lane] = sees[r] ? prob : 0.0f;
+      }
+      if (PARTS > 1 && lane < ROWS) {
+        float mine_rescale = 1.0f;
+        for (int r = 0; r < ROWS; ++r) mine_rescale = int(lane) == r ? rescale[r] : mine_rescale;
+        my_exchange[lane] = mine_rescale;
+      }
+    }
+    // P (and the rescale factors) of the lead reach the row group's other parts.
+    if (PARTS > 1) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    } else {
+      simdgroup_barrier(mem_flags::mem_threadgroup);
     }
     float my_rescale = 1.0f;  // of the row my accumulator elements belong to
-    for (int r = 0; r < ROWS; ++r) my_rescale = int(mine.y) == r ? rescale[r] : my_rescale;
+    if (lead) {
+      for (int r = 0; r < ROWS; ++r) my_rescale = int(mine.y) == r ? rescale[r] : my_rescale;
+    } else {
+      my_rescale = my_exchange[mine.y];
+    }
     for (int i = 0; i < DT; ++i) {
       o[i].thread_elements()[0] *= my_rescale;
       o[i].thread_elements()[1] *= my_rescale;
     }
-    simdgroup_barrier(mem_flags::mem_threadgroup);
     simdgroup_float8x8 prob[KT];  // rows x keys 8j..8j+7
     for (int j = 0; j < KT; ++j) simdgroup_load(prob[j], my_scores + j * 8, LD_S);
 
@@ -543,7 +623,7 @@ template <typename QT, typename KVT, int D, typename MaskT>
     // their keys flagged.
     for (int slice = 0; slice < SLICES; ++slice) {
       threadgroup_barrier(mem_flags::mem_threadgroup);  // K (or the last V slice) is read
-      const uint flagged = mma_stage_slice<KVT, SLICE_D, LD_KV, true>(
+      const uint flagged = mma_stage_slice<KVT, SLICE_D, LD_KV, NSG, true>(
           kv_tile, value + v_base + long(chunk) * p.v_stride_s + slice * SLICE_D, p.v_stride_s, chunk_len,
           vector_loads, simd_index, lane);
       if (lane == 0) {
@@ -554,41 +634,58 @@ template <typename QT, typename KVT, int D, typename MaskT>
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (int i = 0; i < SLICE_DT; ++i) {
+      for (int i = 0; i < PART_DT; ++i) {
         for (int j = 0; j < KT; ++j) {
-          simdgroup_float8x8 v_tile;  // keys 8j.. x head dims 8i..
-          simdgroup_load(v_tile, kv_tile + j * 8 * LD_KV + i * 8, LD_KV);
-          simdgroup_multiply_accumulate(o[slice * SLICE_DT + i], prob[j], v_tile, o[slice * SLICE_DT + i]);
+          simdgroup_float8x8 v_tile;  // keys 8j.. x head dims part_dim0 + 8i.. of the slice
+          simdgroup_load(v_tile, kv_tile + j * 8 * LD_KV + part_dim0 + i * 8, LD_KV);
+          simdgroup_multiply_accumulate(o[slice * PART_DT + i], prob[j], v_tile, o[slice * PART_DT + i]);
         }
       }
     }
     // A row that sees a key with a non-finite value is poisoned (selection: the value
     // itself entered the products as 0).
-    const bool my_key_flagged = key_flag[lane] != 0.0f;
-    for (int r = 0; r < ROWS; ++r) poison[r] = poison[r] || (sees[r] && my_key_flagged);
+    if (lead) {
+      const bool my_key_flagged = key_flag[lane] != 0.0f;
+      for (int r = 0; r < ROWS; ++r) poison[r] = poison[r] || (sees[r] && my_key_flagged);
+    }
     // The next chunk overwrites the tiles.
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  // Poisoned: a lane flagged the row, or one of its accumulator elements is not finite.
+  // Poisoned: a lane flagged the row, or one of the row's accumulator elements, in any
+  // part, is not finite.
   bool my_elements_bad = false;
   for (int i = 0; i < DT; ++i) {
     my_elements_bad = my_elements_bad || !isfinite(o[i].thread_elements()[0]) || !isfinite(o[i].thread_elements()[1]);
   }
+  if (PARTS > 1) {
+    // Part 1's verdicts to the lead, through the exchange (free after the chunk loop).
+    if (!lead) {
+      for (int r = 0; r < ROWS; ++r) {
+        const bool bad = simd_any(my_elements_bad && int(mine.y) == r);
+        if (lane == 0) my_exchange[r] = bad ? 1.0f : 0.0f;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
   const long slot0 = (long(b) * p.Hq + long(h) * p.G) * p.T;  // slot of the head's row 0, split 0
-  for (int r = 0; r < ROWS; ++r) {
-    const bool poisoned = simd_any(poison[r] || (my_elements_bad && int(mine.y) == r));
-    if (row_valid[r] && lane == 0) {
-      const long slot = (slot0 + row0 + r) * p.n_splits + split;
-      partial_m[slot] = poisoned ? NAN : m[r];
-      partial_l[slot] = poisoned ? NAN : l[r];
+  if (lead) {
+    for (int r = 0; r < ROWS; ++r) {
+      const bool other_part_bad = PARTS > 1 && my_exchange[r] != 0.0f;
+      const bool poisoned = simd_any(poison[r] || (my_elements_bad && int(mine.y) == r)) || other_part_bad;
+      if (row_valid[r] && lane == 0) {
+        const long slot = (slot0 + row0 + r) * p.n_splits + split;
+        partial_m[slot] = poisoned ? NAN : m[r];
+        partial_l[slot] = poisoned ? NAN : l[r];
+      }
     }
   }
   if (my_row_valid) {
     const long base = ((slot0 + my_row) * p.n_splits + split) * D + int(mine.x);
     for (int i = 0; i < DT; ++i) {
-      partial_o[base + 8 * i] = o[i].thread_elements()[0];
-      partial_o[base + 8 * i + 1] = o[i].thread_elements()[1];
+      const long at = base + mma_part_dim<SLICE_D, PART_DT>(i, part_dim0);
+      partial_o[at] = o[i].thread_elements()[0];
+      partial_o[at + 1] = o[i].thread_elements()[1];
     }
   }
 }
@@ -668,7 +765,7 @@ template <typename T, int D>
 // ---------------------------------------------------------------------------------------
 // Instantiations, from the one table in tree_attn_kernels.h (csrc/metal/plan.cpp builds its
 // kernel names from the same table): tree_attn_main_<types>_d<D>_<mask> (vector kernel,
-// every D), tree_attn_mma_<types>_d<D>_<mask> (matrix kernel, D <= 256) and
+// every D), tree_attn_mma_<types>_d<D>_<mask> (matrix kernel, every D) and
 // tree_attn_reduce_<out>_d<D>; <types> is f32, f16, bf16 (query and K/V alike) or f32_f16,
 // f32_bf16 (a float32 query over a half-precision cache), mask bool or float.
 // ---------------------------------------------------------------------------------------

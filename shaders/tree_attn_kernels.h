@@ -10,7 +10,8 @@
 //   VEC (family "main"): the vector kernel (v1): 32 rows per threadgroup, scalar dot
 //                         products, every D;
 //   MMA (family "mma"):  the simdgroup-matrix kernel (v2): 64 rows per threadgroup, 8x8
-//                         matrix products, D <= 256 (tree_attention.metal says why).
+//                         matrix products, every D (at D = 512 two simdgroups share each
+//                         8 rows, tree_attention.metal says how).
 // Reduce kernels: REDUCE(T, TAG, D) for each output type, named tree_attn_reduce_<TAG>_d<D>.
 //
 // TAG is the query's dtype (f32, f16, bf16), then the K/V dtype when it differs
@@ -30,7 +31,7 @@
   TREE_ATTN_TYPE_PAIRS(VEC, 64) TREE_ATTN_TYPE_PAIRS(VEC, 96) TREE_ATTN_TYPE_PAIRS(VEC, 128)  \
   TREE_ATTN_TYPE_PAIRS(VEC, 256) TREE_ATTN_TYPE_PAIRS(VEC, 512)                               \
   TREE_ATTN_TYPE_PAIRS(MMA, 64) TREE_ATTN_TYPE_PAIRS(MMA, 96) TREE_ATTN_TYPE_PAIRS(MMA, 128)  \
-  TREE_ATTN_TYPE_PAIRS(MMA, 256)
+  TREE_ATTN_TYPE_PAIRS(MMA, 256) TREE_ATTN_TYPE_PAIRS(MMA, 512)
 
 #define TREE_ATTN_OUTPUT_TYPES(X, D) X(float, f32, D) X(half, f16, D) X(bfloat, bf16, D)
 

@@ -29,9 +29,10 @@ enum TreeAttnTiling {
   // Upper bound on key splits: the reduce kernel gives each split one lane.
   TREE_ATTN_MAX_SPLITS = 32,
   // The simdgroup-matrix main kernel (tree_attn_mma, v2): query rows per threadgroup and
-  // simdgroups per threadgroup (each owns 8 rows, one row of 8x8 matrices).
+  // row groups per threadgroup (each owns 8 rows, one row of 8x8 matrices; see
+  // TREE_ATTN_MMA_DIM_PARTS for the simdgroups of a row group).
   TREE_ATTN_MMA_BLOCK_ROWS = 64,
-  TREE_ATTN_MMA_SIMDGROUPS = 8,
+  TREE_ATTN_MMA_ROW_GROUPS = 8,
   // Largest head-dim slice of K/V it stages at once, and the padding of every row of its
   // threadgroup tiles, in floats (16 bytes, against bank conflicts).
   TREE_ATTN_MMA_MAX_SLICE_DIMS = 128,
@@ -52,12 +53,22 @@ enum TreeAttnTiling {
 #define TREE_ATTN_SLICE_DIMS(D, ELEMENT_BYTES) \
   ((D) * (ELEMENT_BYTES) * 32 <= TREE_ATTN_TILE_BYTES ? (D) : (D) / 2)
 
+// The simdgroup-matrix kernel's split of the head dim: each of its 8 row groups is
+// TREE_ATTN_MMA_DIM_PARTS(D) simdgroups, each holding the query and accumulator of the
+// group's 8 rows in 1 / parts of the head dims, so a lane keeps at most 64 + 64 floats (D/4
+// each at D <= 256 with one part; 512 / 8 at D = 512 with two). Its simdgroups per
+// threadgroup: 8 x parts (8 or 16, at most 512 threads).
+#define TREE_ATTN_MMA_DIM_PARTS(D) ((D) <= 256 ? 1 : 2)
+#define TREE_ATTN_MMA_SIMDGROUPS(D) (TREE_ATTN_MMA_ROW_GROUPS * TREE_ATTN_MMA_DIM_PARTS(D))
+
 // The simdgroup-matrix kernel's head-dim slice and its threadgroup memory, in floats: the
-// K/V tile [32 keys][slice + pad], the score tile [64 rows][32 + pad], 32 key flags.
+// K/V tile [32 keys][slice + pad], the score tile [64 rows][32 + pad], 32 key flags and,
+// with more than one part, one float per row exchanged between a row group's simdgroups.
 #define TREE_ATTN_MMA_SLICE_DIMS(D) ((D) < TREE_ATTN_MMA_MAX_SLICE_DIMS ? (D) : TREE_ATTN_MMA_MAX_SLICE_DIMS)
 #define TREE_ATTN_MMA_TILE_FLOATS(D)                                                     \
   (TREE_ATTN_CHUNK_KEYS * (TREE_ATTN_MMA_SLICE_DIMS(D) + TREE_ATTN_MMA_PAD) +            \
-   TREE_ATTN_MMA_BLOCK_ROWS * (TREE_ATTN_CHUNK_KEYS + TREE_ATTN_MMA_PAD) + TREE_ATTN_CHUNK_KEYS)
+   TREE_ATTN_MMA_BLOCK_ROWS * (TREE_ATTN_CHUNK_KEYS + TREE_ATTN_MMA_PAD) + TREE_ATTN_CHUNK_KEYS + \
+   (TREE_ATTN_MMA_DIM_PARTS(D) > 1 ? TREE_ATTN_MMA_BLOCK_ROWS : 0))
 
 struct TreeAttnParams {
   // Element strides; the head dim always has stride 1. A broadcast dim has stride 0.

@@ -16,8 +16,8 @@ import torch
 
 import torch_tree_attn  # noqa: F401  (registers the ops)
 import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
-from tests.cases import (args_of, Case, check_against_reference, check_nonfinite_case, inject_nonfinite, make_inputs, nonfinite_cases,
-                         parity_matrix)
+from tests.cases import (args_of, Case, check_against_reference, check_nonfinite_case, DTYPE_PAIRS, inject_nonfinite,
+                         make_inputs, nonfinite_cases, NONFINITE_KINDS, parity_matrix)
 from torch_tree_attn.reference import tree_attention_reference
 
 ops = torch.ops.tree_attn_sim
@@ -83,8 +83,6 @@ def test_parity_matrix(case):
 @pytest.mark.parametrize("family", ["vector", "matrix"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
 def test_long_prefix_split_across_threadgroups(case, family):
-    if family == "matrix" and case.D == 512:
-        pytest.skip("no matrix kernel at D = 512")
     inputs = make_inputs(case)
     with kernel_family(family):
         plan = plan_of(inputs)
@@ -95,14 +93,15 @@ def test_long_prefix_split_across_threadgroups(case, family):
 
 
 # ---------------------------------------------------------------------------------------
-# The plan's choice of main kernel: matrix (v2) where it exists and a kv head has more
-# than 8 rows, vector (v1) elsewhere.
+# The plan's choice of main kernel: matrix (v2) where a kv head has more than 8 rows,
+# vector (v1) elsewhere; both exist at every D.
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case, family", [
     (Case(B=2, Hq=4, Hkv=4, T=5, S=70, D=64, seed=51), "vector"),                         # G*T = 5
     (Case(B=1, Hq=2, Hkv=1, T=4, S=90, D=128, dtype=torch.float16, mask_kind="float", seed=52), "vector"),  # 8
     (Case(B=1, Hq=2, Hkv=1, T=5, S=90, D=128, dtype=torch.bfloat16, seed=53), "matrix"),  # 10
-    (Case(B=1, Hq=4, Hkv=1, T=20, S=120, D=512, dtype=torch.float16, seed=54), "vector"),  # no D = 512 matrix kernel
+    (Case(B=1, Hq=4, Hkv=1, T=20, S=120, D=512, dtype=torch.float16, seed=54), "matrix"),  # 80: 16 simdgroups
+    (Case(B=2, Hq=2, Hkv=1, T=4, S=60, D=512, dtype=torch.float32, mask_kind="float", seed=56), "vector"),  # 8
     (Case(B=2, Hq=8, Hkv=2, T=20, S=150, D=256, dtype=torch.float32, kv_dtype=torch.bfloat16, seed=55), "matrix"),
 ], ids=str)
 def test_the_plan_keeps_the_vector_kernel_where_the_heuristic_says(case, family):
@@ -151,9 +150,9 @@ def test_every_kernel_instantiation_is_exercised():
     pairs = ("f32", "f16", "bf16", "f32_f16", "f32_bf16")
     dims = (64, 96, 128, 256, 512)
     expected = {f"tree_attn_main_{t}_d{d}_{m}" for t in pairs for d in dims for m in ("bool", "float")}
-    expected |= {f"tree_attn_mma_{t}_d{d}_{m}" for t in pairs for d in dims[:4] for m in ("bool", "float")}
+    expected |= {f"tree_attn_mma_{t}_d{d}_{m}" for t in pairs for d in dims for m in ("bool", "float")}
     expected |= {f"tree_attn_reduce_{t}_d{d}" for t in ("f32", "f16", "bf16") for d in dims}
-    assert len(expected) == 50 + 40 + 15
+    assert len(expected) == 50 + 50 + 15
     assert shipped == expected
     # The parity matrix, with the plan's own choice of family, runs every kernel.
     used = {launch["kernel"] for case in MATRIX for launch in plan_of(make_inputs(case))["launches"]}
@@ -165,18 +164,21 @@ def test_every_name_the_plan_can_emit_is_instantiated():
     (shaders/tree_attn_kernels.h): each exists in the simulator's registry, and the
     registry holds no kernel the plan cannot name."""
     names = ops.plan_kernel_names()
-    assert len(names) == len(set(names)) == 105
+    assert len(names) == len(set(names)) == 115
     shipped = {name for name in ops.kernels() if name.startswith("tree_attn_")}
     assert set(names) == shipped
 
 
 def test_the_family_override_is_checked():
     inputs = make_inputs(Case(D=512))
-    with kernel_family("matrix"), pytest.raises(ValueError, match="no matrix Metal kernel for f32 at head dim 512"):
-        plan_of(inputs)
+    # Both families exist at every D of the contract, so either may be forced.
+    for family in ("vector", "matrix"):
+        with kernel_family(family):
+            assert plan_of(inputs)["family"] == family
     with pytest.raises(ValueError, match="expected 'auto', 'vector' or 'matrix'"):
         ops.set_kernel_family("v3")
-    assert plan_of(inputs)["family"] == "vector"
+    G, T = inputs["query"].shape[1] // inputs["key"].shape[1], inputs["query"].shape[2]
+    assert plan_of(inputs)["family"] == ("matrix" if G * T > 8 else "vector")  # the override is reset
 
 
 # ---------------------------------------------------------------------------------------
@@ -253,6 +255,31 @@ def test_unused_slots_hold_nan_and_the_last_chunk_is_partial():
 @pytest.mark.parametrize("case, kind", nonfinite_cases(), ids=lambda x: str(x))
 def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind, family):
     with kernel_family(family):
+        check_nonfinite_case(case, kind, lambda inputs: sim(inputs))
+
+
+# D = 512 (tests.cases.nonfinite_cases has none): every kind over every dtype pair, with
+# and without key splits, the plan's family (matrix: 16 simdgroups, two per 8 rows) and
+# the vector kernel forced.
+def _nonfinite_cases_d512():
+    shapes = [dict(B=2, Hq=4, Hkv=1, T=5, S=70, D=512),
+              dict(B=1, Hq=4, Hkv=2, T=6, S=600, D=512, kv_layout="bshd", softcap=25.0)]  # splits
+    pairs = []
+    for i, kind in enumerate(NONFINITE_KINDS):
+        dtype, kv_dtype = DTYPE_PAIRS[i % len(DTYPE_PAIRS)]
+        mask_kind = "float" if kind.startswith("bias") or i % 2 else "bool"
+        window = "dense" if i % 3 == 0 and not kind.startswith("prefix") else "compact"
+        sinks = torch.float32 if kind.startswith("sink") or i % 2 else None
+        pairs.append((Case(dtype=dtype, kv_dtype=kv_dtype, mask_kind=mask_kind, window=window, seed=7000 + i,
+                           sinks=sinks, **shapes[i % 2]), kind))
+    return pairs
+
+
+@pytest.mark.parametrize("family", ["auto", "vector"])
+@pytest.mark.parametrize("case, kind", _nonfinite_cases_d512(), ids=lambda x: str(x))
+def test_nonfinite_values_poison_exactly_the_rows_that_see_them_at_d512(case, kind, family):
+    with kernel_family(family):
+        assert plan_of(make_inputs(case))["family"] == {"auto": "matrix", "vector": "vector"}[family]
         check_nonfinite_case(case, kind, lambda inputs: sim(inputs))
 
 
@@ -409,6 +436,66 @@ def test_counted_bytes_equal_the_model_and_the_bound_holds(case, family):
     assert plan["actual"]["skipped_keys"] > 0 or main_kv == _kv_bound(plan)
 
 
+def _masked_window_inputs(B, Hq, T, S, D, hidden, seed):
+    """A dense window of S keys, keys `hidden` (a range) hidden from every row and NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, n, length, D, generator=gen) for n, length in ((Hq, T), (1, S), (1, S)))
+    mask = torch.rand(B, T, S, generator=gen) < 0.5
+    mask[..., hidden] = False
+    k[..., hidden, :] = v[..., hidden, :] = float("nan")
+    return dict(query=q, key=k, value=v, mask=mask, mask_offset=None, scale=None, softcap=None)
+
+
+@pytest.mark.parametrize("inputs_of, hidden_chunks", [
+    # 8 simdgroups, several splits and row blocks, a partial last chunk.
+    (lambda: make_inputs(Case(B=2, Hq=8, Hkv=2, T=20, S=300, D=128, dtype=torch.float16, seed=23)), None),
+    # 16 simdgroups (D = 512), splits, a float32 query over a bfloat16 cache.
+    (lambda: make_inputs(Case(B=1, Hq=4, Hkv=2, T=20, S=400, D=512, dtype=torch.float32, kv_dtype=torch.bfloat16,
+                              mask_kind="float", seed=24)), None),
+    # D = 512, two row blocks, window chunks [64, 128) hidden from every row: skipped.
+    (lambda: _masked_window_inputs(B=1, Hq=4, T=20, S=170, D=512, hidden=slice(64, 128), seed=25), 2),
+], ids=["d128", "d512_splits", "d512_skipped_chunks"])
+def test_counted_simdgroup_mmas_equal_the_analytic_count(inputs_of, hidden_chunks):
+    """The matrix kernel's simdgroup_multiply_accumulate calls, as the simulator counts
+    them: per threadgroup and visited chunk, each simdgroup multiplies its 8 rows' query
+    by K^T over its share of the head dims (D / 8 / parts products of 8 dims x 8 keys, x 4
+    key blocks) and P by V (as many); parts = simdgroups / 8 (2 at D = 512). The traffic
+    model's count (traffic.h, modelled_main_simdgroup_mmas) is the same number, for a cost
+    model to rely on."""
+    inputs = inputs_of()
+    traffic = traffic_of(inputs)
+    plan = traffic["plan"]
+    main_launch = plan["launches"][0]
+    assert plan["family"] == "matrix"
+    D = inputs["query"].shape[-1]
+    Hkv = inputs["key"].shape[1]
+    simdgroups = main_launch["threads"][0] // 32
+    parts = simdgroups // 8
+    assert parts == (2 if D == 512 else 1)
+    per_chunk_per_simdgroup = 2 * (D // 8 // parts) * (32 // 8)
+    # Chunks each threadgroup (split, row block, batch row x kv head) walks, from the splits.
+    walked = 0
+    for visible_end in plan["actual"]["visible_end"]:
+        for split in range(plan["n_splits"]):
+            begin = split * plan["split_keys"]
+            keys = max(0, min(begin + plan["split_keys"], visible_end) - begin)
+            walked += Hkv * plan["n_row_blocks"] * math.ceil(keys / 32)
+    visited = walked - plan["actual"]["skipped_chunks"]
+    analytic = visited * simdgroups * per_chunk_per_simdgroup
+    assert analytic == visited * 8 * D
+    assert plan["actual"]["main_chunks"] == visited
+    assert plan["actual"]["main_simdgroup_mmas"] == analytic
+    assert traffic["launches"][0]["counters"]["simdgroup_mmas"] == analytic
+    assert traffic["launches"][1]["counters"]["simdgroup_mmas"] == 0  # reduce
+    if hidden_chunks is not None:
+        assert plan["actual"]["skipped_chunks"] == hidden_chunks * plan["n_row_blocks"] > 0
+    check_against_reference(*sim(inputs), inputs)
+    # The vector kernel multiplies no matrices.
+    with kernel_family("vector"):
+        vector = traffic_of(inputs)
+    assert vector["launches"][0]["counters"]["simdgroup_mmas"] == 0 == vector["plan"]["actual"]["main_simdgroup_mmas"]
+
+
 @pytest.mark.parametrize("family", ["vector", "matrix"])
 def test_fully_masked_window_chunks_are_not_fetched(family):
     # A dense window of 160 keys; keys [64, 128) are hidden from every row: two chunks
@@ -487,16 +574,14 @@ def test_reference_shape_traffic_against_minimum_and_seed():
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("family", ["vector", "matrix"])
 def test_plan_geometry(dtype, kv_dtype, D, with_sinks, family):
-    if family == "matrix" and D == 512:
-        pytest.skip("no matrix kernel at D = 512 (test_the_family_override_is_checked)")
     B, Hq, Hkv, T, S = 2, 8, 2, 9, 2000
     q = torch.zeros(B, Hq, T, D, dtype=dtype)
     kv = torch.zeros(B, Hkv, S, D, dtype=kv_dtype)
     sinks = torch.zeros(Hq) if with_sinks else None
     inputs = dict(query=q, key=kv, value=kv, mask=torch.ones(B, T, T, dtype=torch.bool),
                   mask_offset=torch.tensor([5, 1000]), scale=None, softcap=None, sinks=sinks)
-    # G * T = 36: the plan's own choice is the matrix kernel wherever it exists.
-    assert plan_of(inputs)["family"] == ("matrix" if D <= 256 else "vector")
+    # G * T = 36: the plan's own choice is the matrix kernel.
+    assert plan_of(inputs)["family"] == "matrix"
     with kernel_family(family):
         plan = plan_of(inputs)
     main, reduce = plan["launches"]
@@ -515,11 +600,12 @@ def test_plan_geometry(dtype, kv_dtype, D, with_sinks, family):
         block_rows = 32
     else:
         # Float tiles, rows padded by 4 floats: K/V [32][min(D, 128) + 4], scores [64][36],
-        # 32 key flags; 8 simdgroups.
-        floats = 32 * (min(D, 128) + 4) + 64 * 36 + 32
+        # 32 key flags, at D = 512 a float per row exchanged between the two simdgroups of
+        # each 8 rows; 8 simdgroups, 16 at D = 512.
+        floats = 32 * (min(D, 128) + 4) + 64 * 36 + 32 + (64 if D == 512 else 0)
         assert main["threadgroup_memory_bytes"] == 4 * floats <= 32768
         assert main["threadgroup_memory_bytes"] % 16 == 0
-        assert main["threads"] == [256, 1, 1]
+        assert main["threads"] == [512 if D == 512 else 256, 1, 1]
         block_rows = 64
     assert plan["block_rows"] == block_rows and plan["kv_aligned4"] == 1
     rows = (Hq // Hkv) * T

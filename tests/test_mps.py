@@ -68,7 +68,7 @@ SPLIT_CASES = [
          kv_layout="bshd", mask_shape="none", softcap=30.0),
     Case(B=1, Hq=8, Hkv=1, T=40, S=2500, D=256, dtype=torch.float16, mask_kind="float", window="dense",
          offsets="none", seed=203),
-    # D = 512 (float32: the K/V tile in two slices of the head dim; 512 threads per threadgroup).
+    # D = 512: the matrix kernel (G*T > 8) with 16 simdgroups, two per 8 rows (512 threads per threadgroup).
     Case(B=1, Hq=16, Hkv=4, T=32, S=3000, D=512, dtype=torch.float32, mask_kind="bool", seed=204),
     Case(B=1, Hq=8, Hkv=2, T=16, S=2000, D=512, dtype=torch.bfloat16, mask_kind="float", seed=205),
     # Sinks (gpt-oss) and a float32 query over a half-precision cache.

@@ -244,8 +244,9 @@ Plan make_plan(const Prepared& in, KernelFamily family) {
   main.grid = {grid_dim(params.n_splits, "key splits"), grid_dim(params.n_row_blocks, "row blocks"),
                grid_dim(p.B * p.Hkv, "B * Hkv")};
   if (matrix) {
-    // 8 simdgroups of 8 rows; tiles of floats (tree_attn_params.h).
-    main.threads = {uint32_t(TREE_ATTN_MMA_SIMDGROUPS * TREE_ATTN_SIMD_WIDTH), 1, 1};
+    // 8 row groups of 8 rows, each 1 or 2 simdgroups (2 at D = 512); tiles of floats
+    // (tree_attn_params.h).
+    main.threads = {uint32_t(TREE_ATTN_MMA_SIMDGROUPS(p.D) * TREE_ATTN_SIMD_WIDTH), 1, 1};
     TORCH_INTERNAL_ASSERT(p.D % TREE_ATTN_MMA_SLICE_DIMS(p.D) == 0 && p.D % 8 == 0);
     main.threadgroup_memory_bytes =
         uint32_t(align_up(uint64_t(TREE_ATTN_MMA_TILE_FLOATS(p.D)) * sizeof(float), 16, "tile"));

@@ -57,19 +57,19 @@ struct Launch {
 
 // The two main kernels of shaders/tree_attention.metal.
 //   Vector (v1, tree_attn_main_*): 32 rows per threadgroup, scalar dot products; every D.
-//   Matrix (v2, tree_attn_mma_*): 64 rows per threadgroup, simdgroup-matrix products; D <= 256.
+//   Matrix (v2, tree_attn_mma_*): 64 rows per threadgroup, simdgroup-matrix products; every D
+//     (at D = 512 16 simdgroups, two per 8 rows, each holding half of the head dims).
 // Auto is the plan's choice (choose_family); the others are an internal override for
 // tests and benchmarks, not public API.
 enum class KernelFamily { Auto, Vector, Matrix };
 const char* family_name(KernelFamily family);
 
-// The plan's choice: the matrix kernel wherever it is instantiated (D <= 256) and a kv
-// head has more than 8 rows (G * T > 8); the vector kernel otherwise. Each K/V byte is
-// fetched once per row block, ceil(G * T / 64) times per call by the matrix kernel against
-// ceil(G * T / 32) by the vector kernel, and its products run on the matrix units. At
-// G * T <= 8 both fetch K/V once and the matrix kernel would run one 8-row matrix row on
-// 8 simdgroups, 7 of them idle; at D = 512 its per-lane query and accumulator (256 floats)
-// would not fit the register file, so the vector kernel stays.
+// The plan's choice: the matrix kernel wherever it is instantiated (every D of the
+// contract) and a kv head has more than 8 rows (G * T > 8); the vector kernel otherwise.
+// Each K/V byte is fetched once per row block, ceil(G * T / 64) times per call by the
+// matrix kernel against ceil(G * T / 32) by the vector kernel, and its products run on the
+// matrix units. At G * T <= 8 both fetch K/V once and the matrix kernel would run one
+// 8-row matrix row on 8 row groups, 7 of them idle.
 KernelFamily choose_family(const Problem& p);
 
 struct Plan {

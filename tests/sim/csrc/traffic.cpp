@@ -85,9 +85,37 @@ uint64_t minimum_key_value_bytes(const Plan& plan, const std::vector<Visibility>
   return 2 * keys * uint64_t(p.D) * plan.kv_element_bytes;
 }
 
-uint64_t count_skipped_keys(const Prepared& in, const Plan& plan, const std::vector<Visibility>& vis) {
+uint64_t modelled_main_chunks(const Plan& plan, const std::vector<Visibility>& vis, uint64_t skipped_chunks) {
+  const TreeAttnParams& p = plan.params;
+  if (plan.launches.empty()) return 0;
+  uint64_t chunks = 0;
+  // Splits are whole chunks (split_keys % 32 == 0), so the splits of a row block together
+  // visit ceil(visible_end / 32) chunks.
+  for (const Visibility& v : vis) {
+    chunks += uint64_t(p.Hkv) * p.n_row_blocks * uint64_t(ceil_div(v.visible_end, TREE_ATTN_CHUNK_KEYS));
+  }
+  TORCH_CHECK(skipped_chunks <= chunks, "tree attention: skipped chunks ", skipped_chunks, " > ", chunks);
+  return chunks - skipped_chunks;
+}
+
+uint64_t modelled_main_simdgroup_mmas(const Plan& plan, const std::vector<Visibility>& vis,
+                                      uint64_t skipped_chunks) {
+  if (plan.launches.empty() || plan.family != KernelFamily::Matrix) return 0;
+  const uint64_t D = uint64_t(plan.params.D);
+  const uint64_t key_tiles = TREE_ATTN_CHUNK_KEYS / 8;
+  const uint64_t per_row_group = 2 * (D / 8) * key_tiles;  // Q K^T and P V, all parts together
+  return modelled_main_chunks(plan, vis, skipped_chunks) * per_row_group * TREE_ATTN_MMA_ROW_GROUPS;
+}
+
+namespace {
+
+struct Skipped {
+  uint64_t keys = 0, chunks = 0;
+};
+
+Skipped count_skipped(const Prepared& in, const Plan& plan, const std::vector<Visibility>& vis) {
   const Problem& p = in.p;
-  if (plan.launches.empty() || p.M == 0) return 0;
+  if (plan.launches.empty() || p.M == 0) return {};
   TORCH_CHECK(in.mask.device().is_cpu(), "count_skipped_keys needs a CPU mask");
   // seen[b][hq][t][col]: the entry does not hide its key (NaN biases count as seen, as
   // in the kernel).
@@ -99,7 +127,7 @@ uint64_t count_skipped_keys(const Prepared& in, const Plan& plan, const std::vec
   const bool* seen_at = seen.data_ptr<bool>();
   const int64_t rows = p.G * p.T;
   const int64_t C = TREE_ATTN_CHUNK_KEYS;
-  uint64_t skipped = 0;
+  Skipped skipped;
   for (int64_t b = 0; b < p.B; ++b) {
     const Visibility& v = vis[size_t(b)];
     // Only chunks entirely inside the window are checked (the prefix is always seen).
@@ -114,12 +142,25 @@ uint64_t count_skipped_keys(const Prepared& in, const Plan& plan, const std::vec
             const bool* entries = seen_at + ((b * p.Hq + hq) * p.T + t) * p.M;
             for (int64_t key = start; key < stop && !any; ++key) any = entries[key - v.offset];
           }
-          if (!any) skipped += uint64_t(stop - start);
+          if (!any) {
+            skipped.keys += uint64_t(stop - start);
+            ++skipped.chunks;
+          }
         }
       }
     }
   }
   return skipped;
+}
+
+}  // namespace
+
+uint64_t count_skipped_keys(const Prepared& in, const Plan& plan, const std::vector<Visibility>& vis) {
+  return count_skipped(in, plan, vis).keys;
+}
+
+uint64_t count_skipped_chunks(const Prepared& in, const Plan& plan, const std::vector<Visibility>& vis) {
+  return count_skipped(in, plan, vis).chunks;
 }
 
 namespace {
@@ -136,14 +177,17 @@ void json_launch(std::ostringstream& s, const Launch& l) {
   s << "]}";
 }
 
-void json_traffic(std::ostringstream& s, const Plan& plan, const std::vector<Visibility>& vis, uint64_t skipped) {
+void json_traffic(std::ostringstream& s, const Plan& plan, const std::vector<Visibility>& vis, Skipped skipped_at) {
+  const uint64_t skipped = skipped_at.keys;
   const ModelledBytes main = modelled_main_reads(plan, vis, skipped);
   const ModelledBytes reduce = modelled_reduce_reads(plan);
   s << "{\"main_reads\": {\"query\": " << main.query << ", \"key_value\": " << main.key_value
     << ", \"mask\": " << main.mask << ", \"offsets\": " << main.offsets << ", \"total\": " << main.total()
     << "}, \"reduce_reads\": " << reduce.total() << ", \"main_writes\": " << modelled_main_writes(plan)
     << ", \"reduce_writes\": " << modelled_reduce_writes(plan)
-    << ", \"minimum_key_value\": " << minimum_key_value_bytes(plan, vis) << ", \"skipped_keys\": " << skipped
+    << ", \"minimum_key_value\": " << minimum_key_value_bytes(plan, vis) << ", \"skipped_keys\": " << skipped << ", \"skipped_chunks\": " << skipped_at.chunks
+    << ", \"main_chunks\": " << modelled_main_chunks(plan, vis, skipped_at.chunks)
+    << ", \"main_simdgroup_mmas\": " << modelled_main_simdgroup_mmas(plan, vis, skipped_at.chunks)
     << ", \"visible_end\": [";
   for (size_t b = 0; b < vis.size(); ++b) s << (b ? ", " : "") << vis[b].visible_end;
   s << "]}";
@@ -164,10 +208,10 @@ std::string plan_to_json(const Prepared& in, const Plan& plan, const std::vector
     << ", \"family\": \"" << family_name(plan.family) << "\", \"kv_aligned4\": " << p.kv_aligned4
     << ", \"scratch_bytes\": " << plan.scratch_bytes << ", \"params_bytes\": " << sizeof(TreeAttnParams)
     << ", \"rows_per_kv_head\": " << int64_t(p.G) * p.T << ", \"worst_case\": ";
-  json_traffic(s, plan, worst_case_visibility(in.p), 0);
+  json_traffic(s, plan, worst_case_visibility(in.p), Skipped{});
   if (!vis.empty()) {
     s << ", \"actual\": ";
-    json_traffic(s, plan, vis, in.mask.device().is_cpu() ? count_skipped_keys(in, plan, vis) : 0);
+    json_traffic(s, plan, vis, in.mask.device().is_cpu() ? count_skipped(in, plan, vis) : Skipped{});
   }
   s << "}";
   return s.str();

@@ -47,8 +47,24 @@ uint64_t modelled_reduce_writes(const Plan& plan);
 uint64_t minimum_key_value_bytes(const Plan& plan, const std::vector<Visibility>& vis);
 
 // Mirrors the kernel's chunk-skip decision on the host, for a CPU mask: the number of
-// (main threadgroup, key) pairs whose K/V the kernel does not fetch.
+// (main threadgroup, key) pairs whose K/V the kernel does not fetch, and of (main
+// threadgroup, chunk) pairs it skips.
 uint64_t count_skipped_keys(const Prepared& in, const Plan& plan, const std::vector<Visibility>& vis);
+uint64_t count_skipped_chunks(const Prepared& in, const Plan& plan, const std::vector<Visibility>& vis);
+
+// Chunks of 32 keys the main threadgroups visit, (threadgroup, chunk) pairs: each
+// threadgroup walks its split's visible keys in chunks (the last may be partial), less the
+// skipped ones (count_skipped_chunks; 0 gives the bound).
+uint64_t modelled_main_chunks(const Plan& plan, const std::vector<Visibility>& vis, uint64_t skipped_chunks = 0);
+// simdgroup_multiply_accumulate calls of the main launch, as the simulator counts them (per
+// simdgroup call, tests/sim/csrc/runtime.h). The matrix kernel: per visited chunk, every
+// simdgroup of a threadgroup multiplies its 8 rows' query over its share of the head dims
+// with the chunk's K^T (D / 8 / parts x 4 products: 8 dims x 8 keys each) and P with V (as
+// many), i.e. 2 x (D / 8) x 4 x 8 row groups = 8 D per threadgroup and chunk, whatever the
+// head-dim split (tree_attention.metal, tree_attn_mma). A partial chunk or row block
+// multiplies zero-filled tiles at full cost. The vector kernel: none.
+uint64_t modelled_main_simdgroup_mmas(const Plan& plan, const std::vector<Visibility>& vis,
+                                      uint64_t skipped_chunks = 0);
 
 // The plan and its traffic model as JSON (for tests and reports). `vis` may be empty, in
 // which case only the worst case is reported.
