@@ -374,12 +374,12 @@ def plot(rows, methods, path):
 
 def mps_model_main(args):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "sim"))
     try:
+        import torch_tree_attn_sim  # noqa: F401
         import metal_cost
     except ImportError as e:
-        sys.exit(f"--device mps-model needs the Metal simulator (cd tests/sim && python setup.py build_ext "
-                 f"--inplace): {e}")
+        sys.exit(f"--device mps-model needs the Metal simulator installed (pip install --no-build-isolation "
+                 f"./tests/sim, as for the tests): {e}")
     from apple_chips import CHIPS
 
     label = metal_cost.LABEL.upper()
