@@ -684,8 +684,10 @@ def test_tree_mode_rejects_bad_tree_arguments():
         call(tree_mask=chain)
     with pytest.raises(ValueError, match=r"mask_offset has 2 entries, expected 1 "):
         call(tree_mask=chain, mask_offset=torch.tensor([5, 5]))
-    with pytest.raises(ValueError, match=r"mask_offset \[4\] does not match the cache: .* slot \[5\]"):
-        call(tree_mask=chain, mask_offset=torch.tensor([4]))
+    if DEVICE.type == "cpu":
+        # Checked only where reading the offsets cannot sync a device (hf.py).
+        with pytest.raises(ValueError, match=r"mask_offset \[4\] does not match the cache: .* slot \[5\]"):
+            call(tree_mask=chain, mask_offset=torch.tensor([4]))
     cache = DynamicCache(config=model.config)
     prefill(model, "tree_attn", cache, prompt)
     with pytest.raises(ValueError, match=r"mask_offset \[4\] must equal the cache length 5"):

@@ -101,17 +101,17 @@ BROKEN = {
     # v2 (simdgroup-matrix kernel) mistakes.
     # simdgroup_load reads device or threadgroup memory, never a thread array.
     "simdgroup_load_from_thread": (
-        "simdgroup_load(v_tile, kv_tile + j * 8 * LD_KV + i * 8, LD_KV);",
+        "simdgroup_load(v_tile, kv_tile + j * 8 * LD_KV + part_dim0 + i * 8, LD_KV);",
         "float local_tile[64] = {};\n          simdgroup_load(v_tile, local_tile, 8);",
         "no matching function for call to 'simdgroup_load'"),
     # A threadgroup pointer where a matrix operand is expected.
     "mma_pointer_operand": (
-        "simdgroup_multiply_accumulate(s[j], q[slice * SLICE_DT + i], k_t, s[j]);",
-        "simdgroup_multiply_accumulate(s[j], q[slice * SLICE_DT + i], kv_tile, s[j]);",
+        "simdgroup_multiply_accumulate(s[j], q[slice * PART_DT + i], k_t, s[j]);",
+        "simdgroup_multiply_accumulate(s[j], q[slice * PART_DT + i], kv_tile, s[j]);",
         "no matching function for call to 'simdgroup_multiply_accumulate'"),
     # The whole array of query matrices instead of one.
     "mma_array_operand": (
-        "simdgroup_multiply_accumulate(s[j], q[slice * SLICE_DT + i], k_t, s[j]);",
+        "simdgroup_multiply_accumulate(s[j], q[slice * PART_DT + i], k_t, s[j]);",
         "simdgroup_multiply_accumulate(s[j], q, k_t, s[j]);",
         "no matching function for call to 'simdgroup_multiply_accumulate'"),
     # Metal's simdgroup matrices are 8 x 8.
