@@ -343,7 +343,8 @@ def cuda_main(args):
         plot(rows, methods, args.plot)
 
 
-def plot(rows, methods, path):
+def _pyplot():
+    """matplotlib.pyplot on a headless backend, or None (and a message) without matplotlib."""
     try:
         import matplotlib
 
@@ -351,6 +352,13 @@ def plot(rows, methods, path):
         import matplotlib.pyplot as plt
     except ImportError:
         print("--plot: matplotlib is not installed, no plot written")
+        return None
+    return plt
+
+
+def plot(rows, methods, path):
+    plt = _pyplot()
+    if plt is None:
         return
     labels = [f"B{r['B']} T{r['T']}\nP{r['P']}" for r in rows]
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4.5))
@@ -447,13 +455,8 @@ def mps_model_main(args):
 
 
 def plot_model(rows, path, label):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot: matplotlib is not installed, no plot written")
+    plt = _pyplot()
+    if plt is None:
         return
     picked = [r for r in rows if r["shape"] == "llama" and r["dtype"] == rows[0]["dtype"] and r["P"] == max(
         x["P"] for x in rows)]

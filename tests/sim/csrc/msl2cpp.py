@@ -378,6 +378,18 @@ class Translator:
                 t.out = self.translate_define(t)
 
     # ------------------------------------------------------------------ instantiation macros
+    def _placed(self, expansion, invocation, i, end):
+        """An instantiation macro's expansion, standing where its invocation (tokens i..end)
+        stood: on the invocation's line, with the invocation's newlines kept (line splices,
+        multi-line argument lists) so later lines keep their numbers."""
+        for k, tok in enumerate(expansion):
+            tok.line = invocation.line
+            tok.pre = invocation.pre if k == 0 else " "
+        newlines = sum(tok.pre.count("\n") for tok in self.tokens[i + 1:end + 1])
+        if expansion:
+            expansion[-1].pre += "\n" * newlines
+        return expansion
+
     def expand_instantiation_macros(self):
         """Expand the function-like macros that generate kernel instantiations.
 
@@ -430,13 +442,7 @@ class Translator:
                 args, end = self.macro_args(self.tokens, i + 1, t)
                 if any(len(a) == 1 and a[0].kind == "id" and a[0].text in macros for a in args):
                     expansion = self.expand_macro({**tables, **macros}, t.text, args, t.line, set())
-                    for k, tok in enumerate(expansion):
-                        tok.line = t.line
-                        tok.pre = (t.pre if k == 0 else " ")
-                    newlines = sum(tok.pre.count("\n") for tok in self.tokens[i + 1:end + 1])
-                    if expansion:
-                        expansion[-1].pre += "\n" * newlines
-                    out.extend(expansion)
+                    out.extend(self._placed(expansion, t, i, end))
                     i = end + 1
                     continue
             if t.kind == "id" and t.text in macros:
@@ -444,14 +450,7 @@ class Translator:
                     self.error(t.line, f"instantiation macro '{t.text}' used inside a function or struct")
                 args, end = self.macro_args(self.tokens, i + 1, t)
                 expansion = self.expand_macro(macros, t.text, args, t.line, set())
-                for k, tok in enumerate(expansion):
-                    tok.line = t.line
-                    tok.pre = (t.pre if k == 0 else " ")
-                # Keep the invocation's newlines (line splices, multi-line argument lists).
-                newlines = sum(tok.pre.count("\n") for tok in self.tokens[i + 1:end + 1])
-                if expansion:
-                    expansion[-1].pre += "\n" * newlines
-                out.extend(expansion)
+                out.extend(self._placed(expansion, t, i, end))
                 i = end + 1
                 continue
             out.append(t)
