@@ -18,7 +18,7 @@
 #   triton    tests/test_triton.py (the interpreter run of the same kernels)
 #   hf        tests/test_hf.py on the GPU (TREE_ATTN_TEST_DEVICE=cuda)
 #   eagle3    examples/eagle3_verify.py --device cuda --check (the built-in pair)
-#   tune      benchmarks/tune_cuda.py -> $OUT/tune.{log,json} (not in the default stages)
+#   tune      benchmarks/tune_cuda.py $TUNE_ARGS -> $OUT/tune.{log,json} (not in the default stages)
 #   suite     builds tests/sim, then the rest of tests/
 set -u
 cd "$(dirname "$0")/.."
@@ -86,7 +86,7 @@ for s in $STAGES; do
     triton) stage triton 200 $PYTEST tests/test_triton.py ;;
     hf) stage hf 300 env TREE_ATTN_TEST_DEVICE=cuda $PYTEST tests/test_hf.py ;;
     eagle3) stage eagle3 200 $PY examples/eagle3_verify.py --device cuda --check ;;
-    tune) stage tune ${TUNE_S:-420} $PY benchmarks/tune_cuda.py --max-seconds $(( ${TUNE_S:-420} - 40 )) --json "$OUT/tune.json" ;;
+    tune) stage tune ${TUNE_S:-420} $PY benchmarks/tune_cuda.py --max-seconds $(( ${TUNE_S:-420} - 40 )) --json "$OUT/tune.json" ${TUNE_ARGS:-} ;;
     suite)
       stage sim-build 200 $PY -m pip install --no-build-isolation --no-deps ./tests/sim
       stage suite 600 $PYTEST tests --ignore=tests/test_cuda.py --ignore=tests/test_triton.py ;;

@@ -78,7 +78,7 @@ def tune(name, x, configs, iters, deadline, results):
         if time.time() > deadline:
             print(f"  ({name}: out of time after {len(rows)} measurements)")
             break
-        plan = heur.choose(x["D"], half, G * x["T"], x["B"] * x["Hkv"], x["P"] + x["T"], sms, config=config)
+        plan = heur.choose(x["D"], half, G * x["T"], x["B"] * x["Hkv"], x["P"] + x["T"], x["T"], sms, config=config)
         for splits in candidate_splits(x, plan.block_n, plan.num_splits):
             try:
                 us, out = time_call(x, config, splits, iters)
@@ -89,7 +89,7 @@ def tune(name, x, configs, iters, deadline, results):
             err = (out[0].float().cpu() - ref).abs().max().item() if ref is not None else None
             rows.append(dict(config=config, splits=splits, us=us, model_splits=plan.num_splits, max_err=err))
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-    current = heur.choose(x["D"], half, G * x["T"], x["B"] * x["Hkv"], x["P"] + x["T"], sms)
+    current = heur.choose(x["D"], half, G * x["T"], x["B"] * x["Hkv"], x["P"] + x["T"], x["T"], sms)
     cur_cfg = (current.block_m, current.block_n, current.num_warps, current.num_stages)
     cur = [r for r in ok if tuple(r["config"]) == cur_cfg and r["splits"] == current.num_splits]
     print(f"{name}: best " + "; ".join(f"{tuple(r['config'])} s={r['splits']} {r['us']:.1f}us" for r in ok[:5]))
@@ -111,7 +111,10 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--max-seconds", type=float, default=420)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", nargs="+", default=None, metavar="BM,BN,WARPS,STAGES",
+                    help="d128: time only these configs instead of the full grid")
     args = ap.parse_args()
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else None
     deadline = time.time() + args.max_seconds
     props = torch.cuda.get_device_properties(0)
     print(f"torch {torch.__version__}, {props.name} ({props.multi_processor_count} SMs)", flush=True)
@@ -119,7 +122,8 @@ def main():
     if "d128" in args.groups:
         for shape in bench_op.CUDA_SHAPES:
             x = problem(shape["B"], shape["T"], shape["P"], 32, 8, 128, torch.bfloat16)
-            tune(f"bf16 D128 B{shape['B']} T{shape['T']} P{shape['P']}", x, grid_d128(), args.iters, deadline, results)
+            tune(f"bf16 D128 B{shape['B']} T{shape['T']} P{shape['P']}", x, configs or grid_d128(), args.iters, deadline,
+                 results)
             del x
     if "dims" in args.groups:
         for D, Hq, Hkv, dtype in ((64, 64, 8, torch.bfloat16), (256, 16, 8, torch.bfloat16),

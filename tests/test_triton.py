@@ -54,30 +54,39 @@ def test_interpreter(group, interpreter_results):
 def test_heuristics():
     from torch_tree_attn import triton_heuristics as heur
 
-    # Reference shape on an H200 (132 SMs): 256 rows per kv head, 8 kv heads.
-    plan = heur.choose(128, True, 256, 8, 16384 + 64, 132)
+    # Reference shape on an H200 (132 SMs): 256 rows per kv head, 8 kv heads, a 64-node tree.
+    plan = heur.choose(128, True, 256, 8, 16384 + 64, 64, 132)
     assert plan.row_blocks * plan.block_m >= 256 and plan.kv_reads == plan.row_blocks
     assert 1 < plan.num_splits <= heur.MAX_SPLITS
     per_sm = heur.programs_per_sm(plan.num_warps)
     assert plan.row_blocks * 8 * plan.num_splits <= 132 * per_sm, "one wave: no nearly empty last wave"
     assert heur.programs_per_sm(8) == 1 and heur.programs_per_sm(4) == 2
     # The split model's choice is its minimum, the smallest split count reaching it.
-    for tiles, progs in [(257, 32), (17, 32), (1025, 16), (3, 1), (1, 8)]:
-        costs = {s: heur.makespan(tiles, progs, 132, s) for s in range(1, min(heur.MAX_SPLITS, tiles) + 1)}
+    for tiles, window, progs in [(257, 2.5, 32), (17, 2.5, 32), (1025, 2.5, 16), (3, 1.0, 1), (1, 8.0, 8), (40, 30.0, 4)]:
+        costs = {s: heur.makespan(tiles, window, progs, 132, s) for s in range(1, min(heur.MAX_SPLITS, tiles + 1) + 1)}
         best = min(costs.values())
-        assert heur.choose_splits(tiles, progs, 132) == min(s for s, c in costs.items() if c == best)
-    # Short keys: no split (no reduce pass).
-    assert heur.choose(128, True, 256, 8, 100, 132).num_splits == 1
+        assert heur.choose_splits(tiles, window, progs, 132) == min(s for s, c in costs.items() if c == best)
+    # With splits, the window runs beside the prefix: a window as long as the prefix is worth
+    # one split of its own; a tiny window changes nothing.
+    assert heur.makespan(64, 64.0, 8, 132, 2) < heur.makespan(64, 64.0, 8, 132, 1)
+    assert heur.makespan(64, 0.5, 8, 132, 8) == 1 * (heur._cdiv(64, 7) + heur.PROGRAM_OVERHEAD_TILES) + heur.REDUCE_COST_TILES
+    # Short keys or no prefix: no split (no reduce pass).
+    assert heur.choose(128, True, 256, 8, 100, 64, 132).num_splits == 1
+    assert heur.choose(128, True, 256, 8, 64, 64, 132).num_splits == 1
     # Many programs already: no split.
-    assert heur.choose(64, True, 4096, 64, 100000, 132).num_splits == 1
+    assert heur.choose(64, True, 4096, 64, 100000, 64, 132).num_splits == 1
     # Tiny row counts are not padded to a big block (tl.dot needs 16).
-    assert heur.choose(64, True, 1, 1, 10, 132).block_m == 16
-    assert heur.choose(96, False, 10, 1, 10, 132).block_d == 128
+    assert heur.choose(64, True, 1, 1, 10, 1, 132).block_m == 16
+    assert heur.choose(96, False, 10, 1, 10, 10, 132).block_d == 128
     for (D, kind), (bm, bn, warps, stages) in heur.CONFIGS.items():
         assert D in (64, 96, 128, 256, 512) and kind in ("half", "f32") and bm >= 16 and bn >= 16
-        plan = heur.choose(D, kind == "half", 4096, 1, 100, 132)
+        plan = heur.choose(D, kind == "half", 4096, 1, 100, 64, 132)
         assert plan.window_n >= 16 and plan.block_n % plan.window_n == 0
-    assert heur.choose(64, True, 50, 1, 10000, 132, num_splits=5).num_splits == 5
+    assert heur.choose(64, True, 50, 1, 10000, 50, 132, num_splits=5).num_splits == 5
+    # The window loop's skip test (which costs it its pipelining) only where whole sub-tiles
+    # can go unseen: part of a tree per block, or a window wider than the tree.
+    plan = heur.choose(128, True, 256, 8, 16384 + 64, 64, 132)
+    assert not plan.skip_unseen(64, 64) and plan.skip_unseen(256, 256) and plan.skip_unseen(64, 96)
 
 
 # Ahead-of-time compilation for an H100/H200 (sm_90) with triton's bundled ptxas: the real
@@ -105,7 +114,7 @@ def _aot_compile(fn, ptr_types, constexprs, num_warps, num_stages=1):
             sig[name] = "constexpr"
         elif name in ptr_types:
             sig[name] = ptr_types[name]
-        elif name in ("scale", "softcap"):
+        elif name in ("scale_abs", "q_sign", "softcap"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -126,7 +135,8 @@ def test_kernels_compile_for_sm90(variant):
     ptrs = dict(Q=f"*{qt}", K=f"*{kvt}", V=f"*{kvt}", MASK="*fp32" if mask_float else "*u8", OFF="*i32", SINK="*fp32",
                 OUT=f"*{qt}", LSE="*fp32", PO="*fp32", PM="*fp32", PL="*fp32")
     const = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=heur._next_pow2(D), WINDOW_N=min(heur.WINDOW_N, bn), SPLIT=split, HAS_OFF=True, HAS_SINK=sinks,
-                 MASK_FLOAT=mask_float, HAS_SOFTCAP=softcap, HALF_DOT=half, UPCAST=False)
+                 MASK_FLOAT=mask_float, HAS_SOFTCAP=softcap, HALF_DOT=half, UPCAST=False,
+                 SKIP_UNSEEN=D == 512)
     try:
         kernel = _aot_compile(tb._tree_attn_main, ptrs, const, warps, stages)
     except RuntimeError as e:

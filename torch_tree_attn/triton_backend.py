@@ -26,6 +26,7 @@ from . import triton_heuristics as heur
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
 
 
 @triton.jit
@@ -58,10 +59,12 @@ def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, ALL_SEEN: tl.constexpr, HALF_DOT: tl.constexpr,
+def _online_softmax_step(s, c, v, m_i, l_i, acc, ALL_SEEN: tl.constexpr, HALF_DOT: tl.constexpr,
                          UPCAST: tl.constexpr):
-    """One key tile into the running state (m_i, l_i, acc) of each row, all in natural log
-    units: s are the tile's final scores, v its value rows.
+    """One key tile into the running state (m_i, l_i, acc) of each row. The tile's scores
+    in log2 units are s * c (c >= 0 a scalar), so a prefix tile passes its raw Q.K^T and
+    c = |scale| * log2(e): the max is taken on the raw scores and each exponent is one FMA,
+    exp2(s * c - m). m_i is kept in log2 units.
 
     ALL_SEEN (prefix tiles): every row sees every key, so a non-finite score must poison its
     row, and it does so by propagation, at one FMA per score: p + 0 * s is p for a finite s
@@ -70,14 +73,13 @@ def _online_softmax_step(s, v, m_i, l_i, acc, ALL_SEEN: tl.constexpr, HALF_DOT: 
     NaN or +inf there only changes a row that is poisoned anyway.
     Otherwise (window tiles) unseen and bad entries are -inf by selection and p is exactly 0
     there. A row that has seen no key keeps m = -inf and subtracts 0, so every exponent is
-    exp2(-inf) = 0, never NaN. exp2 of (s - m) * log2(e): s - m <= 0 cannot overflow where
-    s * log2(e) could."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    exp2(-inf) = 0, never NaN; s * c - m <= 0 cannot overflow."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * c)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2((s - m_use[:, None]) * LOG2E)
+    p = tl.exp2(s * c - m_use[:, None])
     if ALL_SEEN:
         p = p + s * 0.0
-    alpha = tl.exp2((m_i - m_use) * LOG2E)
+    alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p, v, HALF_DOT, UPCAST)
     return m_new, l_i, acc
@@ -85,26 +87,26 @@ def _online_softmax_step(s, v, m_i, l_i, acc, ALL_SEEN: tl.constexpr, HALF_DOT: 
 
 @triton.jit
 def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, HAS_SINK: tl.constexpr):
-    """(out float32 [rows, D], lse [rows]) of rows whose online softmax state, in natural
-    log units, is (acc, m_i, l_i): sinks join here, poisoned rows become NaN, rows that see
-    no key give 0 and lse -inf (or their sink, exactly)."""
+    """(out float32 [rows, D], lse [rows], natural log) of rows whose online softmax state,
+    with m_i in log2 units, is (acc, m_i, l_i): sinks join here, poisoned rows become NaN,
+    rows that see no key give 0 and lse -inf (or their sink, exactly)."""
     seen_any = l_i > 0
-    keys_lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    keys_lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
     if HAS_SINK:
         sink = tl.load(sink_ptr + h, mask=row_ok, other=float("-inf"))
         poison = poison | ((sink != sink) | (sink == float("inf"))).to(tl.int32)
-        sink_f = tl.where(sink == sink, sink, float("-inf"))
+        sink_f = tl.where(sink == sink, sink * LOG2E, float("-inf"))
         hi = tl.maximum(keys_lse, sink_f)
         lo = tl.minimum(keys_lse, sink_f)
         hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
-        lse = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log(1.0 + tl.exp(lo - hi_safe)))
+        lse = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log2(1.0 + tl.exp2(lo - hi_safe)))
         lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-        weight = tl.where(seen_any, tl.exp(m_i - lse_safe), 0.0)
+        weight = tl.where(seen_any, tl.exp2(m_i - lse_safe), 0.0)
         # A row that sees no key: lse is the sink exactly.
-        lse = tl.where(seen_any, lse, sink)
+        lse = tl.where(seen_any, lse * LN2, sink)
     else:
         weight = tl.where(seen_any, 1.0 / tl.where(seen_any, l_i, 1.0), 0.0)
-        lse = keys_lse
+        lse = keys_lse * LN2
     out = acc * weight[:, None]
     bad = poison != 0
     out = tl.where(bad[:, None], float("nan"), out)
@@ -119,24 +121,33 @@ def _tree_attn_main(
     Q, K, V, MASK, OFF, SINK, OUT, LSE, PO, PM, PL,
     sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, sm0, sm1, sm2, sm3,
     Hkv, G, T, S, M, R, total_rows, num_splits,
-    scale, softcap,
+    scale_abs, q_sign, softcap,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WINDOW_N: tl.constexpr, SPLIT: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
     MASK_FLOAT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP_UNSEEN: tl.constexpr,
 ):
     """Main pass. A program owns BLOCK_M rows of one (batch row b, kv head) -- rows r of a
-    kv head are its (query head kvh*G + r // T, tree node r % T) pairs -- and one key split:
-    tiles [t_lo, t_hi) of [0, kend), kend = min(off + M, S), computed on the device from the
-    clamped offset. Each K/V byte is read once per program covering it, i.e. ceil(G*T /
-    BLOCK_M) times per call; the mask is read only on window tiles, once per program.
+    kv head are its (query head kvh*G + r // T, tree node r % T) pairs -- and one key split.
+    Keys [0, kend), kend = min(off + M, S), from the clamped offset read on the device: the
+    prefix tiles (BLOCK_N keys, entirely below off) are shared by splits 0 .. num_splits-2
+    and the window (WINDOW_N-key sub-tiles from the last prefix tile's end to kend) is the
+    last split's, so the masked work runs beside the prefix rather than after a share of it
+    (one split: the program does both). Each K/V byte is read once per program covering
+    it, i.e. ceil(G*T / BLOCK_M) times per call; the mask is read only in the window, once
+    per program.
 
-    Prefix tiles (entirely below off) run unmasked; window tiles load the mask, are skipped
-    before K/V is loaded when no row of the block sees any of their keys, and load K/V with
-    bounds masks (other=0) so no slot >= kend is read. What a row does not see is excluded
-    by selection (tl.where), never by arithmetic: a poison flag per row records a
-    non-finite raw score, a seen NaN/+inf bias or a seen non-finite V row (window V rows
-    are zeroed before P.V so their NaN cannot reach rows that don't see them); a non-finite
-    accumulator (a prefix V) poisons at the end."""
+    Prefix tiles run unmasked. Window sub-tiles load the mask, K and V at the top of the
+    loop (so the pipeliner can prefetch them), with bounds masks (other=0) so no slot >=
+    kend is read; with SKIP_UNSEEN they skip the math when no row of the block sees any of
+    their keys. What a
+    row does not see is excluded by selection (tl.where), never by arithmetic: a poison flag
+    per row records a non-finite raw score, a seen NaN/+inf bias or a seen non-finite V row
+    (window V rows are zeroed before P.V so their NaN cannot reach rows that don't see
+    them); a non-finite accumulator (a prefix V) poisons at the end.
+
+    The query is loaded once, times sign(scale) (exact), so raw scores times |scale| are
+    the scaled scores and a prefix tile's max can be taken before scaling."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,6 +164,7 @@ def _tree_attn_main(
 
     q = tl.load(Q + b * sq0 + h[:, None] * sq1 + i[:, None].to(tl.int64) * sq2 + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = (q.to(tl.float32) * q_sign).to(q.dtype)
     if not HALF_DOT:
         q = q.to(tl.float32)
 
@@ -162,11 +174,14 @@ def _tree_attn_main(
     else:
         off = b * 0                      # int64 scalar 0
     kend = tl.minimum(off + M, S)
-    n_tiles = tl.cdiv(kend, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
-    t_lo = split * per_split
-    t_hi = tl.minimum(t_lo + per_split, n_tiles)
     n_prefix = off // BLOCK_N            # tiles entirely inside the prefix [0, off)
+    prefix_splits = tl.maximum(num_splits - 1, 1)
+    per_split = tl.cdiv(n_prefix, prefix_splits)
+    p_lo = split * per_split             # the window split's range is empty
+    p_hi = tl.minimum(p_lo + per_split, n_prefix)
+    SUB: tl.constexpr = BLOCK_N // WINDOW_N
+    w_lo = n_prefix * SUB                # window sub-tiles [w_lo, w_hi)
+    w_hi = tl.where(split == num_splits - 1, tl.cdiv(kend, WINDOW_N), w_lo)
 
     k_base = K + b * sk0 + kvh * sk1
     v_base = V + b * sv0 + kvh * sv1
@@ -176,7 +191,7 @@ def _tree_attn_main(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     poison = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    qk_scale = scale
+    c = scale_abs * LOG2E
 
     # --- prefix tiles: every key < off <= S, every row sees every key ------------------
     # Addresses: an int64 scalar base per tile plus int32 offsets inside it (the launcher
@@ -185,55 +200,61 @@ def _tree_attn_main(
     n_ar = tl.arange(0, BLOCK_N)
     k_in_tile = n_ar[:, None] * sk2 + d[None, :]
     v_in_tile = n_ar[:, None] * sv2 + d[None, :]
-    for t in range(t_lo, tl.minimum(t_hi, n_prefix)):
+    for t in range(p_lo.to(tl.int32), p_hi.to(tl.int32)):
         key0 = tl.cast(t, tl.int64) * BLOCK_N
         k = tl.load(k_base + key0 * sk2 + k_in_tile, mask=d_ok[None, :], other=0.0)
         v = tl.load(v_base + key0 * sv2 + v_in_tile, mask=d_ok[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * qk_scale
+        s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
         if HAS_SOFTCAP:
             # tanh saturates an infinite raw score: 0 * raw keeps it poisoning (NaN).
+            s = s * scale_abs
             s = softcap * _tanh(s / softcap) + s * 0.0
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
+            m_i, l_i, acc = _online_softmax_step(s, LOG2E, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
+        else:
+            m_i, l_i, acc = _online_softmax_step(s, c, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
 
-    # --- window tiles: keys [n_prefix * BLOCK_N, kend), the mask decides ----------------
-    # In sub-tiles of WINDOW_N keys: the mask, its selections and the poison tests are
+    # --- window sub-tiles: keys [n_prefix * BLOCK_N, kend), the mask decides -------------
+    # WINDOW_N keys at a time: the mask, its selections and the poison tests are
     # [BLOCK_M, WINDOW_N], which keeps the kernel's register peak at the prefix loop's.
     w_ar = tl.arange(0, WINDOW_N)
     kw_in_tile = w_ar[:, None] * sk2 + d[None, :]
     vw_in_tile = w_ar[:, None] * sv2 + d[None, :]
-    for t in range(tl.maximum(t_lo, n_prefix), t_hi):
-        for u in range(BLOCK_N // WINDOW_N):
-            key0 = tl.cast(t, tl.int64) * BLOCK_N + u * WINDOW_N
-            keys = key0 + w_ar
-            in_range = keys < kend
-            in_win = (keys >= off) & in_range
-            col = keys - off
-            win2 = row_ok[:, None] & in_win[None, :]
+    for u in range(w_lo, w_hi):
+        key0 = tl.cast(u, tl.int64) * WINDOW_N
+        keys = key0 + w_ar
+        in_range = keys < kend
+        in_win = (keys >= off) & in_range
+        col = keys - off
+        win2 = row_ok[:, None] & in_win[None, :]
+        kv_ok = in_range[:, None] & d_ok[None, :]
+        k = tl.load(k_base + key0 * sk2 + kw_in_tile, mask=kv_ok, other=0.0)
+        v = tl.load(v_base + key0 * sv2 + vw_in_tile, mask=kv_ok, other=0.0)
+        if MASK_FLOAT:
+            bias = tl.load(m_base + col[None, :] * sm3, mask=win2, other=float("-inf"))
+            seen_w = win2 & (bias != float("-inf"))         # a NaN bias is seen
+        else:
+            mb = tl.load(m_base + col[None, :] * sm3, mask=win2, other=0)
+            seen_w = win2 & (mb != 0)
+        seen = seen_w | (row_ok[:, None] & (keys < off)[None, :])
+        # SKIP_UNSEEN: skip the math of a sub-tile no row of the block sees. The branch
+        # stops Triton from pipelining this loop, so it is compiled in only where such
+        # sub-tiles are expected (the launcher's choice); otherwise an unseen sub-tile's
+        # probabilities are exactly 0 by selection.
+        if not SKIP_UNSEEN or tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
+            s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * scale_abs
+            bad = seen & _not_finite(s)
             if MASK_FLOAT:
-                bias = tl.load(m_base + col[None, :] * sm3, mask=win2, other=float("-inf"))
-                seen_w = win2 & (bias != float("-inf"))         # a NaN bias is seen
-            else:
-                mb = tl.load(m_base + col[None, :] * sm3, mask=win2, other=0)
-                seen_w = win2 & (mb != 0)
-            seen = seen_w | (row_ok[:, None] & (keys < off)[None, :])
-            if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
-                kv_ok = in_range[:, None] & d_ok[None, :]
-                k = tl.load(k_base + key0 * sk2 + kw_in_tile, mask=kv_ok, other=0.0)
-                v = tl.load(v_base + key0 * sv2 + vw_in_tile, mask=kv_ok, other=0.0)
-                s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * qk_scale
-                bad = seen & _not_finite(s)
-                if MASK_FLOAT:
-                    bad = bad | (seen_w & ((bias != bias) | (bias == float("inf"))))
-                v_bad = tl.max(_not_finite(v).to(tl.int32), axis=1) != 0   # per key
-                bad = bad | (seen & v_bad[None, :])
-                poison = poison | tl.max(bad.to(tl.int32), axis=1)
-                if HAS_SOFTCAP:
-                    s = softcap * _tanh(s / softcap)
-                if MASK_FLOAT:
-                    s = s + tl.where(seen_w, bias, 0.0)
-                s = tl.where(seen & ~bad, s, float("-inf"))
-                v = tl.where(v_bad[:, None], 0.0, v).to(v.dtype)
-                m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, False, HALF_DOT, UPCAST)
+                bad = bad | (seen_w & ((bias != bias) | (bias == float("inf"))))
+            v_bad = tl.max(_not_finite(v).to(tl.int32), axis=1) != 0   # per key
+            bad = bad | (seen & v_bad[None, :])
+            poison = poison | tl.max(bad.to(tl.int32), axis=1)
+            if HAS_SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            if MASK_FLOAT:
+                s = s + tl.where(seen_w, bias, 0.0)
+            s = tl.where(seen & ~bad, s, float("-inf"))
+            v = tl.where(v_bad[:, None], 0.0, v).to(v.dtype)
+            m_i, l_i, acc = _online_softmax_step(s, LOG2E, v, m_i, l_i, acc, False, HALF_DOT, UPCAST)
 
     # A non-finite prefix score reaches l_i and acc, a non-finite prefix V reaches acc
     # (through P.V, also as 0 * NaN): they poison here.
@@ -257,32 +278,33 @@ def _tree_attn_reduce(
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Reduce pass (only when the keys are split): a program owns BLOCK_R output rows and
-    merges their num_splits partials (unnormalised O, max m, sum l; m = NaN marks a
-    poisoned split) in split order: deterministic, no atomics. Reads each partial once."""
+    merges their num_splits partials (unnormalised O, max m in log2 units, sum l; m = NaN
+    marks a poisoned split) in one pass, in split order, by an online rescale:
+    deterministic, no atomics. Reads each partial once."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < total_rows
     d = tl.arange(0, BLOCK_D)
     io_mask = row_ok[:, None] & (d < D)[None, :]
-    m_max = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
-    poison = tl.zeros((BLOCK_R,), dtype=tl.int32)
-    for sp in range(num_splits):
-        m_s = tl.load(PM + sp * total_rows + rows, mask=row_ok, other=float("-inf"))
-        poison = poison | (m_s != m_s).to(tl.int32)
-        m_max = tl.maximum(m_max, tl.where(m_s != m_s, float("-inf"), m_s))
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    poison = tl.zeros((BLOCK_R,), dtype=tl.int32)
     for sp in range(num_splits):
         part = sp * total_rows + rows
         m_s = tl.load(PM + part, mask=row_ok, other=float("-inf"))
         l_s = tl.load(PL + part, mask=row_ok, other=0.0)
-        w = tl.where(m_s == m_s, tl.exp2((tl.where(m_s == m_s, m_s, float("-inf")) - m_use) * LOG2E),
-                     0.0)
         o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=io_mask, other=0.0)
-        l_i += l_s * w
-        acc += o_s * w[:, None]
+        poison = poison | (m_s != m_s).to(tl.int32)
+        m_s = tl.where(m_s == m_s, m_s, float("-inf"))
+        m_new = tl.maximum(m_i, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a_old = tl.exp2(m_i - m_use)
+        a_new = tl.exp2(m_s - m_use)
+        l_i = l_i * a_old + l_s * a_new
+        acc = acc * a_old[:, None] + o_s * a_new[:, None]
+        m_i = m_new
     h = (rows // T) % Hq
-    out, lse = _finalize(acc, m_max, l_i, poison, SINK, h, row_ok, HAS_SINK)
+    out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, HAS_SINK)
     tl.store(OUT + rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
     tl.store(LSE + rows, lse, mask=row_ok)
 
@@ -311,7 +333,7 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
     R = G * T
     total_rows = B * Hq * T
     half_dot = q.dtype != torch.float32
-    plan = heur.choose(D, half_dot, R, B * Hkv, S, _num_sms(device), num_splits=num_splits, config=config)
+    plan = heur.choose(D, half_dot, R, B * Hkv, S, M, _num_sms(device), num_splits=num_splits, config=config)
     # The kernel addresses inside a key tile with int32 offsets (n * key-row stride + d).
     # A cache whose key rows lie too far apart for that is read from a contiguous copy.
     if (plan.block_n - 1) * max(skk[2], sv[2]) + plan.block_d >= 2**31:
@@ -337,11 +359,12 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
         out, lse, po, pm, pl,
         sq[0], sq[1], sq[2], skk[0], skk[1], skk[2], sv[0], sv[1], sv[2], sm[0], sm[1], sm[2], sm[3],
         Hkv, G, T, S, M, R, total_rows, plan.num_splits,
-        scale_f, cap if cap is not None else 1.0,
+        abs(scale_f), -1.0 if scale_f < 0 else 1.0, cap if cap is not None else 1.0,
         D=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, WINDOW_N=plan.window_n,
         SPLIT=plan.num_splits > 1, HAS_OFF=off is not None, HAS_SINK=sk is not None,
         MASK_FLOAT=bool(mask_float), HAS_SOFTCAP=cap is not None, HALF_DOT=half_dot,
-        UPCAST=INTERPRETING, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        UPCAST=INTERPRETING, SKIP_UNSEEN=plan.skip_unseen(T, M), num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
         block_r = heur.REDUCE_BLOCK_ROWS

@@ -38,12 +38,15 @@ CONFIGS = {
     (512, "f32"): (16, 16, 8, 1),
 }
 
-# Flash-decoding splits, from a makespan model in units of one key tile's work:
-#   waves(s) * (ceil(tiles / s) + PROGRAM_OVERHEAD_TILES) + [s > 1] * REDUCE_COST_TILES
-# with waves(s) = ceil(programs(s) / (SMs * programs per SM)); the smallest s reaching the
-# minimum wins (fewer partials). Only when the rows alone leave SMs idle. At most MAX_SPLITS splits (the reduce kernel reads every
-# split's partial). On the H200 this picks the measured best split count at every tuned
-# shape.
+# Flash-decoding splits, from a makespan model in units of one prefix key tile's work. With
+# s > 1 splits, splits 0 .. s-2 share the prefix tiles and split s-1 runs the window (the
+# masked sub-tiles), so the two run side by side:
+#   s = 1:  waves(1) * (tiles + window + PROGRAM_OVERHEAD_TILES)
+#   s > 1:  waves(s) * (max(ceil(tiles / (s-1)), window) + PROGRAM_OVERHEAD_TILES) + REDUCE_COST_TILES
+# with waves(s) = ceil(programs * s / (SMs * programs per SM)) and window the window's cost
+# (WINDOW_COST_FACTOR per key of a prefix key); the smallest s reaching the minimum wins
+# (fewer partials). Only when the rows alone leave SMs idle. At most MAX_SPLITS splits (the
+# reduce kernel reads every split's partial).
 # Programs resident per SM: the kernels use all 255 registers a thread may have (ptxas,
 # sm_90a), so registers decide: 65536 per SM / (threads per program * 255).
 REGISTERS_PER_SM = 65536
@@ -53,6 +56,7 @@ REGISTERS_PER_THREAD = 255
 WINDOW_N = 16
 PROGRAM_OVERHEAD_TILES = 2.0
 REDUCE_COST_TILES = 4.0
+WINDOW_COST_FACTOR = 2.0
 MAX_SPLITS = 64
 # The reduce kernel's rows per program.
 REDUCE_BLOCK_ROWS = 16
@@ -69,6 +73,13 @@ class Plan:
     row_blocks: int      # programs along the rows of a kv head: ceil(G*T / block_m)
     num_splits: int      # programs along the keys; 1 = no reduce kernel
 
+    def skip_unseen(self, T: int, M: int) -> bool:
+        """Whether the window loop tests each sub-tile for a row that sees it (a branch,
+        which costs the loop its software pipelining). In a tree in topological order a
+        node sees only keys up to its own, so whole sub-tiles go unseen by a block only when
+        it holds part of a tree (T > block_m) or the window is wider than the tree."""
+        return T > self.block_m or M >= T + self.window_n
+
     @property
     def kv_reads(self) -> int:
         """How many times each visible K/V byte is read from memory (or L2)."""
@@ -83,41 +94,54 @@ def _next_pow2(x: int) -> int:
     return 1 << (max(1, x) - 1).bit_length()
 
 
-def choose(D: int, half_dot: bool, rows_per_head: int, batch_heads: int, S: int, num_sms: int,
+def choose(D: int, half_dot: bool, rows_per_head: int, batch_heads: int, S: int, M: int, num_sms: int,
            num_splits: Optional[int] = None, config: Optional[tuple] = None) -> Plan:
     """The launch plan of one call. `rows_per_head` = G*T, `batch_heads` = B*Hkv, S the
-    key capacity (an upper bound of every row's visible keys: offsets are never read on the
-    host). `num_splits`/`config` override the table (tests, tuning)."""
+    key capacity, M the window (mask columns). Offsets are never read on the host, so the
+    model assumes a full cache: a prefix of S - M keys. `num_splits`/`config` override the
+    table (tests, tuning)."""
     block_m, block_n, num_warps, num_stages = config or CONFIGS[(D, "half" if half_dot else "f32")]
     # Don't pad a tiny row count up to a large block (tl.dot needs M >= 16).
     block_m = max(16, min(block_m, _next_pow2(rows_per_head)))
+    window_n = min(WINDOW_N, block_n)
     row_blocks = _cdiv(rows_per_head, block_m)
     if num_splits is None:
-        num_splits = choose_splits(_cdiv(S, block_n), row_blocks * batch_heads, num_sms, programs_per_sm(num_warps))
-    return Plan(block_m=block_m, block_n=block_n, block_d=_next_pow2(D), window_n=min(WINDOW_N, block_n),
-                num_warps=num_warps,
-                num_stages=num_stages, row_blocks=row_blocks, num_splits=int(num_splits))
+        num_splits = choose_splits(_cdiv(max(S - M, 0), block_n), window_tiles(min(M, S), block_n, window_n),
+                                   row_blocks * batch_heads, num_sms, programs_per_sm(num_warps))
+    return Plan(block_m=block_m, block_n=block_n, block_d=_next_pow2(D), window_n=window_n,
+                num_warps=num_warps, num_stages=num_stages, row_blocks=row_blocks, num_splits=int(num_splits))
+
+
+def window_tiles(M: int, block_n: int, window_n: int) -> float:
+    """The window's modelled cost in prefix-tile units: its sub-tiles (on average half a
+    tile's worth of prefix keys before the offset run with it), WINDOW_COST_FACTOR each."""
+    if M <= 0:
+        return 0.0
+    sub_tiles = _cdiv(M, window_n) + (block_n // window_n - 1) / 2
+    return sub_tiles * window_n / block_n * WINDOW_COST_FACTOR
 
 
 def programs_per_sm(num_warps: int) -> int:
     return max(1, REGISTERS_PER_SM // (num_warps * 32 * REGISTERS_PER_THREAD))
 
 
-def makespan(tiles: int, programs: int, num_sms: int, splits: int, per_sm: int = 1) -> float:
+def makespan(tiles: int, window: float, programs: int, num_sms: int, splits: int, per_sm: int = 1) -> float:
     """The split model's cost of `splits` key splits, in key-tile units (see above)."""
     waves = _cdiv(programs * splits, num_sms * per_sm)
-    return waves * (_cdiv(tiles, splits) + PROGRAM_OVERHEAD_TILES) + (REDUCE_COST_TILES if splits > 1 else 0.0)
+    if splits == 1:
+        return waves * (tiles + window + PROGRAM_OVERHEAD_TILES)
+    return waves * (max(_cdiv(tiles, splits - 1), window) + PROGRAM_OVERHEAD_TILES) + REDUCE_COST_TILES
 
 
-def choose_splits(tiles: int, programs: int, num_sms: int, per_sm: int = 1) -> int:
-    """Key splits for `tiles` key tiles per row block and `programs` programs per split.
-    No split when the rows alone fill every SM: splitting then only adds partials to write and
-    reduce (whose cost grows with the split count, which the model leaves out): 1 then."""
-    if programs >= num_sms * per_sm:
+def choose_splits(tiles: int, window: float, programs: int, num_sms: int, per_sm: int = 1) -> int:
+    """Key splits for `tiles` prefix tiles and a window costing `window` tiles per row
+    block, `programs` programs per split. No split when the rows alone fill every SM:
+    splitting then only adds partials to write and reduce: 1 then."""
+    if programs >= num_sms * per_sm or tiles == 0:
         return 1
-    best, best_cost = 1, makespan(tiles, programs, num_sms, 1, per_sm)
-    for splits in range(2, min(MAX_SPLITS, max(1, tiles)) + 1):
-        cost = makespan(tiles, programs, num_sms, splits, per_sm)
+    best, best_cost = 1, makespan(tiles, window, programs, num_sms, 1, per_sm)
+    for splits in range(2, min(MAX_SPLITS, tiles + 1) + 1):
+        cost = makespan(tiles, window, programs, num_sms, splits, per_sm)
         if cost < best_cost:
             best, best_cost = splits, cost
     return best
