@@ -82,6 +82,12 @@ LONG_CASES = [
          offsets="none", seed=203),
     Case(B=1, Hq=8, Hkv=2, T=16, S=3000, D=512, dtype=torch.bfloat16, seed=204, sinks=torch.bfloat16),
     Case(B=3, Hq=4, Hkv=1, T=9, S=5000, D=96, dtype=torch.float32, kv_dtype=torch.float16, seed=205),
+    # A negative scale (Q negated by the launcher), with softcap; a zero scale.
+    Case(B=2, Hq=8, Hkv=2, T=12, S=2000, D=128, dtype=torch.bfloat16, mask_kind="float", scale=-0.11,
+         softcap=25.0, seed=207),
+    Case(B=1, Hq=4, Hkv=1, T=9, S=1500, D=64, dtype=torch.float16, scale=0.0, seed=208),
+    # More tree nodes than a block's rows: the window loop's skip test.
+    Case(B=1, Hq=4, Hkv=2, T=100, S=1200, D=512, dtype=torch.bfloat16, seed=209),
 ]
 
 

@@ -69,7 +69,8 @@ def test_heuristics():
     # With splits, the window runs beside the prefix: a window as long as the prefix is worth
     # one split of its own; a tiny window changes nothing.
     assert heur.makespan(64, 64.0, 8, 132, 2) < heur.makespan(64, 64.0, 8, 132, 1)
-    assert heur.makespan(64, 0.5, 8, 132, 8) == 1 * (heur._cdiv(64, 7) + heur.PROGRAM_OVERHEAD_TILES) + heur.REDUCE_COST_TILES
+    assert heur.makespan(64, 0.5, 8, 132, 8) == (heur._cdiv(64, 7) + heur.PROGRAM_OVERHEAD_TILES + heur.REDUCE_COST_TILES
+                                                 + 8 * heur.REDUCE_COST_PER_SPLIT)
     # Short keys or no prefix: no split (no reduce pass).
     assert heur.choose(128, True, 256, 8, 100, 64, 132).num_splits == 1
     assert heur.choose(128, True, 256, 8, 64, 64, 132).num_splits == 1
@@ -114,7 +115,7 @@ def _aot_compile(fn, ptr_types, constexprs, num_warps, num_stages=1):
             sig[name] = "constexpr"
         elif name in ptr_types:
             sig[name] = ptr_types[name]
-        elif name in ("scale_abs", "q_sign", "softcap"):
+        elif name in ("scale_abs", "softcap"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -147,4 +148,5 @@ def test_kernels_compile_for_sm90(variant):
     if split:
         reduce_ptrs = dict(PO="*fp32", PM="*fp32", PL="*fp32", SINK="*fp32", OUT=f"*{qt}", LSE="*fp32")
         _aot_compile(tb._tree_attn_reduce, reduce_ptrs,
-                     dict(D=D, BLOCK_R=heur.REDUCE_BLOCK_ROWS, BLOCK_D=heur._next_pow2(D), HAS_SINK=sinks), 4)
+                     dict(D=D, BLOCK_R=heur.reduce_block(8, heur._next_pow2(D))[1], BLOCK_D=heur._next_pow2(D),
+                          CHUNK=heur.reduce_block(8, heur._next_pow2(D))[0], HAS_SINK=sinks), 4)

@@ -53,12 +53,19 @@ SPLIT_CASES = [
          offsets="none", seed=203),
     Case(B=2, Hq=4, Hkv=2, T=7, S=600, D=96, dtype=torch.float32, kv_dtype=torch.bfloat16, seed=204,
          sinks=torch.bfloat16),
+    # A negative scale (the launcher negates Q, the kernels take |scale|), with softcap; a
+    # zero scale.
+    Case(B=2, Hq=4, Hkv=2, T=6, S=400, D=64, dtype=torch.float16, mask_kind="float", scale=-0.2, softcap=15.0,
+         seed=205),
+    Case(B=1, Hq=4, Hkv=1, T=9, S=300, D=64, dtype=torch.bfloat16, scale=0.0, seed=206),
+    # More tree nodes than a block's rows (D=512: 32 rows): the window loop's skip test.
+    Case(B=1, Hq=2, Hkv=1, T=40, S=300, D=512, dtype=torch.bfloat16, seed=207),
 ]
 
 
 def splits():
     for case in SPLIT_CASES:
-        for num_splits in (None, 1, 3, 7):
+        for num_splits in (None, 1, 3, 7, 19):
             def check(case=case, num_splits=num_splits):
                 inputs = make_inputs(case)
                 out, lse = run(inputs, num_splits=num_splits)

@@ -121,7 +121,7 @@ def _tree_attn_main(
     Q, K, V, MASK, OFF, SINK, OUT, LSE, PO, PM, PL,
     sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, sm0, sm1, sm2, sm3,
     Hkv, G, T, S, M, R, total_rows, num_splits,
-    scale_abs, q_sign, softcap,
+    scale_abs, softcap,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WINDOW_N: tl.constexpr, SPLIT: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
     MASK_FLOAT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr,
@@ -146,8 +146,10 @@ def _tree_attn_main(
     (window V rows are zeroed before P.V so their NaN cannot reach rows that don't see
     them); a non-finite accumulator (a prefix V) poisons at the end.
 
-    The query is loaded once, times sign(scale) (exact), so raw scores times |scale| are
-    the scaled scores and a prefix tile's max can be taken before scaling."""
+    Q is the query times sign(scale) (the launcher negates it, exactly, for a negative
+    scale), so raw scores times |scale| are the scaled scores and a prefix tile's max can
+    be taken before scaling. Q is loaded once and never modified: Triton then feeds the
+    tensor cores from it without a per-tile reload."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -164,7 +166,6 @@ def _tree_attn_main(
 
     q = tl.load(Q + b * sq0 + h[:, None] * sq1 + i[:, None].to(tl.int64) * sq2 + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = (q.to(tl.float32) * q_sign).to(q.dtype)
     if not HALF_DOT:
         q = q.to(tl.float32)
 
@@ -275,36 +276,43 @@ def _tree_attn_main(
 @triton.jit(do_not_specialize=["total_rows", "T", "Hq", "num_splits"])
 def _tree_attn_reduce(
     PO, PM, PL, SINK, OUT, LSE, total_rows, T, Hq, num_splits,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     """Reduce pass (only when the keys are split): a program owns BLOCK_R output rows and
     merges their num_splits partials (unnormalised O, max m in log2 units, sum l; m = NaN
-    marks a poisoned split) in one pass, in split order, by an online rescale:
-    deterministic, no atomics. Reads each partial once."""
+    marks a poisoned split). CHUNK splits are loaded at once as a [CHUNK, BLOCK_R, D]
+    block -- one memory latency, not one per split; usually CHUNK >= num_splits and there
+    is one step -- and merged into the running state by an online rescale, in split
+    order: deterministic, no atomics. Reads each partial once."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < total_rows
     d = tl.arange(0, BLOCK_D)
-    io_mask = row_ok[:, None] & (d < D)[None, :]
+    d_ok = d < D
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     poison = tl.zeros((BLOCK_R,), dtype=tl.int32)
-    for sp in range(num_splits):
-        part = sp * total_rows + rows
-        m_s = tl.load(PM + part, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(PL + part, mask=row_ok, other=0.0)
-        o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=io_mask, other=0.0)
-        poison = poison | (m_s != m_s).to(tl.int32)
+    for c0 in range(0, num_splits, CHUNK):
+        sp = c0 + tl.arange(0, CHUNK)
+        part = sp[:, None].to(tl.int64) * total_rows + rows[None, :]         # [CHUNK, BLOCK_R]
+        ok = (sp < num_splits)[:, None] & row_ok[None, :]
+        m_s = tl.load(PM + part, mask=ok, other=float("-inf"))
+        l_s = tl.load(PL + part, mask=ok, other=0.0)
+        o_s = tl.load(PO + part[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
+                      other=0.0)
+        poison = poison | tl.max((m_s != m_s).to(tl.int32), axis=0)
         m_s = tl.where(m_s == m_s, m_s, float("-inf"))
-        m_new = tl.maximum(m_i, m_s)
+        m_new = tl.maximum(m_i, tl.max(m_s, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         a_old = tl.exp2(m_i - m_use)
-        a_new = tl.exp2(m_s - m_use)
-        l_i = l_i * a_old + l_s * a_new
-        acc = acc * a_old[:, None] + o_s * a_new[:, None]
+        w = tl.exp2(m_s - m_use[None, :])                                  # 0: empty or poisoned split
+        l_i = l_i * a_old + tl.sum(l_s * w, axis=0)
+        acc = acc * a_old[:, None] + tl.sum(o_s * w[:, :, None], axis=0)
         m_i = m_new
     h = (rows // T) % Hq
     out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, HAS_SINK)
+    io_mask = row_ok[:, None] & d_ok[None, :]
     tl.store(OUT + rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
     tl.store(LSE + rows, lse, mask=row_ok)
 
@@ -332,6 +340,9 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
         return out, lse
     R = G * T
     total_rows = B * Hq * T
+    if scale_f < 0:                      # the kernels take |scale| and Q * sign(scale)
+        q = torch.neg(q)                 # exact
+        sq = [0 if q.size(i) == 1 else q.stride(i) for i in range(4)]
     half_dot = q.dtype != torch.float32
     plan = heur.choose(D, half_dot, R, B * Hkv, S, M, _num_sms(device), num_splits=num_splits, config=config)
     # The kernel addresses inside a key tile with int32 offsets (n * key-row stride + d).
@@ -359,7 +370,7 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
         out, lse, po, pm, pl,
         sq[0], sq[1], sq[2], skk[0], skk[1], skk[2], sv[0], sv[1], sv[2], sm[0], sm[1], sm[2], sm[3],
         Hkv, G, T, S, M, R, total_rows, plan.num_splits,
-        abs(scale_f), -1.0 if scale_f < 0 else 1.0, cap if cap is not None else 1.0,
+        abs(scale_f), cap if cap is not None else 1.0,
         D=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, WINDOW_N=plan.window_n,
         SPLIT=plan.num_splits > 1, HAS_OFF=off is not None, HAS_SINK=sk is not None,
         MASK_FLOAT=bool(mask_float), HAS_SOFTCAP=cap is not None, HALF_DOT=half_dot,
@@ -367,10 +378,10 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
         num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
-        block_r = heur.REDUCE_BLOCK_ROWS
+        chunk, block_r = heur.reduce_block(plan.num_splits, plan.block_d)
         _tree_attn_reduce[(triton.cdiv(total_rows, block_r),)](
             po, pm, pl, sk if sk is not None else dummy, out, lse, total_rows, T, Hq, plan.num_splits,
-            D=D, BLOCK_R=block_r, BLOCK_D=plan.block_d, HAS_SINK=sk is not None,
+            D=D, BLOCK_R=block_r, BLOCK_D=plan.block_d, CHUNK=chunk, HAS_SINK=sk is not None,
             num_warps=4,
         )
     return out, lse

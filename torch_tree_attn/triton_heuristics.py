@@ -42,10 +42,12 @@ CONFIGS = {
 # s > 1 splits, splits 0 .. s-2 share the prefix tiles and split s-1 runs the window (the
 # masked sub-tiles), so the two run side by side:
 #   s = 1:  waves(1) * (tiles + window + PROGRAM_OVERHEAD_TILES)
-#   s > 1:  waves(s) * (max(ceil(tiles / (s-1)), window) + PROGRAM_OVERHEAD_TILES) + REDUCE_COST_TILES
+#   s > 1:  waves(s) * (max(ceil(tiles / (s-1)), window) + PROGRAM_OVERHEAD_TILES)
+#           + REDUCE_COST_TILES + s * REDUCE_COST_PER_SPLIT
 # with waves(s) = ceil(programs * s / (SMs * programs per SM)) and window the window's cost
 # (WINDOW_COST_FACTOR per key of a prefix key); the smallest s reaching the minimum wins
-# (fewer partials). Only when the rows alone leave SMs idle. At most MAX_SPLITS splits (the
+# (fewer partials). The per-split term is every split's partials written and read back
+# (on the H200 it made the model pick 8 splits at P=65536, measured 184 us, not 33, 202). Only when the rows alone leave SMs idle. At most MAX_SPLITS splits (the
 # reduce kernel reads every split's partial).
 # Programs resident per SM: the kernels use all 255 registers a thread may have (ptxas,
 # sm_90a), so registers decide: 65536 per SM / (threads per program * 255).
@@ -56,10 +58,13 @@ REGISTERS_PER_THREAD = 255
 WINDOW_N = 16
 PROGRAM_OVERHEAD_TILES = 2.0
 REDUCE_COST_TILES = 4.0
+REDUCE_COST_PER_SPLIT = 1.0
 WINDOW_COST_FACTOR = 2.0
 MAX_SPLITS = 64
-# The reduce kernel's rows per program.
-REDUCE_BLOCK_ROWS = 16
+# The reduce kernel loads a [chunk of splits (a power of 2), rows, D] block of partials at
+# once: at most REDUCE_BLOCK_ELEMS float32 (4 warps: 64 per thread), 1..16 rows.
+REDUCE_BLOCK_ELEMS = 8192
+REDUCE_MAX_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +126,14 @@ def window_tiles(M: int, block_n: int, window_n: int) -> float:
     return sub_tiles * window_n / block_n * WINDOW_COST_FACTOR
 
 
+def reduce_block(num_splits: int, block_d: int) -> tuple:
+    """(splits per load, rows per program) of the reduce kernel: every split in one load
+    where it fits."""
+    chunk = min(_next_pow2(num_splits), max(1, REDUCE_BLOCK_ELEMS // block_d))
+    rows = max(1, min(REDUCE_MAX_ROWS, REDUCE_BLOCK_ELEMS // (chunk * block_d)))
+    return chunk, 1 << (rows.bit_length() - 1)
+
+
 def programs_per_sm(num_warps: int) -> int:
     return max(1, REGISTERS_PER_SM // (num_warps * 32 * REGISTERS_PER_THREAD))
 
@@ -130,7 +143,8 @@ def makespan(tiles: int, window: float, programs: int, num_sms: int, splits: int
     waves = _cdiv(programs * splits, num_sms * per_sm)
     if splits == 1:
         return waves * (tiles + window + PROGRAM_OVERHEAD_TILES)
-    return waves * (max(_cdiv(tiles, splits - 1), window) + PROGRAM_OVERHEAD_TILES) + REDUCE_COST_TILES
+    return (waves * (max(_cdiv(tiles, splits - 1), window) + PROGRAM_OVERHEAD_TILES) + REDUCE_COST_TILES
+            + splits * REDUCE_COST_PER_SPLIT)
 
 
 def choose_splits(tiles: int, window: float, programs: int, num_sms: int, per_sm: int = 1) -> int:
