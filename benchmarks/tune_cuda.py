@@ -111,7 +111,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--max-seconds", type=float, default=420)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--configs", nargs="+", default=None, metavar="BM,BN,WARPS,STAGES",
+    ap.add_argument("--configs", nargs="+", default=None, metavar="BM,BN,WARPS,STAGES[,WINDOW_N]",
                     help="d128: time only these configs instead of the full grid")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else None

@@ -11,6 +11,7 @@ The tile/split heuristics (pure Python) are checked here in-process.
 """
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -66,11 +67,12 @@ def test_heuristics():
         costs = {s: heur.makespan(tiles, window, progs, 132, s) for s in range(1, min(heur.MAX_SPLITS, tiles + 1) + 1)}
         best = min(costs.values())
         assert heur.choose_splits(tiles, window, progs, 132) == min(s for s, c in costs.items() if c == best)
-    # With splits, the window runs beside the prefix: a window as long as the prefix is worth
-    # one split of its own; a tiny window changes nothing.
+    # The splits share prefix and window in equal work: a window as long as the prefix is
+    # worth a split of its own.
     assert heur.makespan(64, 64.0, 8, 132, 2) < heur.makespan(64, 64.0, 8, 132, 1)
-    assert heur.makespan(64, 0.5, 8, 132, 8) == (heur._cdiv(64, 7) + heur.PROGRAM_OVERHEAD_TILES + heur.REDUCE_COST_TILES
+    assert heur.makespan(64, 0.5, 8, 132, 8) == (9 + heur.PROGRAM_OVERHEAD_TILES + heur.REDUCE_COST_TILES
                                                  + 8 * heur.REDUCE_COST_PER_SPLIT)
+    assert plan.window_units == math.ceil(heur.window_tiles(64, plan.block_n, plan.window_n)) > 0
     # Short keys or no prefix: no split (no reduce pass).
     assert heur.choose(128, True, 256, 8, 100, 64, 132).num_splits == 1
     assert heur.choose(128, True, 256, 8, 64, 64, 132).num_splits == 1
@@ -79,10 +81,11 @@ def test_heuristics():
     # Tiny row counts are not padded to a big block (tl.dot needs 16).
     assert heur.choose(64, True, 1, 1, 10, 1, 132).block_m == 16
     assert heur.choose(96, False, 10, 1, 10, 10, 132).block_d == 128
-    for (D, kind), (bm, bn, warps, stages) in heur.CONFIGS.items():
+    for (D, kind), (bm, bn, warps, stages, *wn) in heur.CONFIGS.items():
         assert D in (64, 96, 128, 256, 512) and kind in ("half", "f32") and bm >= 16 and bn >= 16
         plan = heur.choose(D, kind == "half", 4096, 1, 100, 64, 132)
         assert plan.window_n >= 16 and plan.block_n % plan.window_n == 0
+        assert plan.window_n == (wn[0] if wn else min(heur.WINDOW_N, bn))
     assert heur.choose(64, True, 50, 1, 10000, 50, 132, num_splits=5).num_splits == 5
     # The window loop's skip test (which costs it its pipelining) only where whole sub-tiles
     # can go unseen: part of a tree per block, or a window wider than the tree.
@@ -132,10 +135,11 @@ def test_kernels_compile_for_sm90(variant):
 
     qt, kvt, D, split, mask_float, sinks, softcap = variant
     half = qt != "fp32"
-    bm, bn, warps, stages = heur.CONFIGS[(D, "half" if half else "f32")]
+    plan = heur.choose(D, half, 4096, 1, 100, 64, 132)
+    bm, bn, warps, stages = plan.block_m, plan.block_n, plan.num_warps, plan.num_stages
     ptrs = dict(Q=f"*{qt}", K=f"*{kvt}", V=f"*{kvt}", MASK="*fp32" if mask_float else "*u8", OFF="*i32", SINK="*fp32",
                 OUT=f"*{qt}", LSE="*fp32", PO="*fp32", PM="*fp32", PL="*fp32")
-    const = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=heur._next_pow2(D), WINDOW_N=min(heur.WINDOW_N, bn), SPLIT=split, HAS_OFF=True, HAS_SINK=sinks,
+    const = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=heur._next_pow2(D), WINDOW_N=plan.window_n, SPLIT=split, HAS_OFF=True, HAS_SINK=sinks,
                  MASK_FLOAT=mask_float, HAS_SOFTCAP=softcap, HALF_DOT=half, UPCAST=False,
                  SKIP_UNSEEN=D == 512)
     try:
@@ -148,5 +152,5 @@ def test_kernels_compile_for_sm90(variant):
     if split:
         reduce_ptrs = dict(PO="*fp32", PM="*fp32", PL="*fp32", SINK="*fp32", OUT=f"*{qt}", LSE="*fp32")
         _aot_compile(tb._tree_attn_reduce, reduce_ptrs,
-                     dict(D=D, BLOCK_R=heur.reduce_block(8, heur._next_pow2(D))[1], BLOCK_D=heur._next_pow2(D),
-                          CHUNK=heur.reduce_block(8, heur._next_pow2(D))[0], HAS_SINK=sinks), 4)
+                     dict(D=D, BLOCK_R=heur.reduce_block(heur._next_pow2(D)), BLOCK_D=heur._next_pow2(D),
+                          CHUNK=heur.REDUCE_CHUNK, HAS_SINK=sinks), 4)

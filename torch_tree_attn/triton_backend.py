@@ -116,11 +116,11 @@ def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, HAS_SINK: tl.constexpr
 
 # Sizes vary from call to call: not specialised (fewer compilations); strides stay
 # specialised (alignment of the K/V rows matters for vector loads).
-@triton.jit(do_not_specialize=["Hkv", "G", "T", "S", "M", "R", "total_rows", "num_splits"])
+@triton.jit(do_not_specialize=["Hkv", "G", "T", "S", "M", "R", "total_rows", "num_splits", "window_units"])
 def _tree_attn_main(
     Q, K, V, MASK, OFF, SINK, OUT, LSE, PO, PM, PL,
     sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, sm0, sm1, sm2, sm3,
-    Hkv, G, T, S, M, R, total_rows, num_splits,
+    Hkv, G, T, S, M, R, total_rows, num_splits, window_units,
     scale_abs, softcap,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WINDOW_N: tl.constexpr, SPLIT: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
@@ -130,10 +130,10 @@ def _tree_attn_main(
     """Main pass. A program owns BLOCK_M rows of one (batch row b, kv head) -- rows r of a
     kv head are its (query head kvh*G + r // T, tree node r % T) pairs -- and one key split.
     Keys [0, kend), kend = min(off + M, S), from the clamped offset read on the device: the
-    prefix tiles (BLOCK_N keys, entirely below off) are shared by splits 0 .. num_splits-2
-    and the window (WINDOW_N-key sub-tiles from the last prefix tile's end to kend) is the
-    last split's, so the masked work runs beside the prefix rather than after a share of it
-    (one split: the program does both). Each K/V byte is read once per program covering
+    prefix tiles (BLOCK_N keys, entirely below off) and the window (WINDOW_N-key sub-tiles
+    from the last prefix tile's end to kend) are shared out in equal work: the last split
+    runs the window and fewer prefix tiles, none where the window is worth a split of its
+    own (one split: the program does both). Each K/V byte is read once per program covering
     it, i.e. ceil(G*T / BLOCK_M) times per call; the mask is read only in the window, once
     per program.
 
@@ -176,10 +176,12 @@ def _tree_attn_main(
         off = b * 0                      # int64 scalar 0
     kend = tl.minimum(off + M, S)
     n_prefix = off // BLOCK_N            # tiles entirely inside the prefix [0, off)
-    prefix_splits = tl.maximum(num_splits - 1, 1)
-    per_split = tl.cdiv(n_prefix, prefix_splits)
-    p_lo = split * per_split             # the window split's range is empty
-    p_hi = tl.minimum(p_lo + per_split, n_prefix)
+    # Balanced splits: the prefix tiles and the window (window_units tiles' worth, the
+    # launcher's estimate) in equal shares; the last split takes the window and what is
+    # left of the prefix (an empty range where the window is a share of its own).
+    per_split = tl.cdiv(n_prefix + window_units, num_splits)
+    p_lo = split * per_split
+    p_hi = tl.where(split == num_splits - 1, n_prefix, tl.minimum(p_lo + per_split, n_prefix))
     SUB: tl.constexpr = BLOCK_N // WINDOW_N
     w_lo = n_prefix * SUB                # window sub-tiles [w_lo, w_hi)
     w_hi = tl.where(split == num_splits - 1, tl.cdiv(kend, WINDOW_N), w_lo)
@@ -281,38 +283,37 @@ def _tree_attn_reduce(
 ):
     """Reduce pass (only when the keys are split): a program owns BLOCK_R output rows and
     merges their num_splits partials (unnormalised O, max m in log2 units, sum l; m = NaN
-    marks a poisoned split). CHUNK splits are loaded at once as a [CHUNK, BLOCK_R, D]
-    block -- one memory latency, not one per split; usually CHUNK >= num_splits and there
-    is one step -- and merged into the running state by an online rescale, in split
-    order: deterministic, no atomics. Reads each partial once."""
+    marks a poisoned split) by an online rescale, in split order: deterministic, no
+    atomics. Reads each partial once. The split loop is unrolled CHUNK at a time, so a
+    chunk's loads are in flight together (one memory latency per chunk, not per split);
+    few rows per program make many programs."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < total_rows
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    io_mask = row_ok[:, None] & (d < D)[None, :]
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     poison = tl.zeros((BLOCK_R,), dtype=tl.int32)
     for c0 in range(0, num_splits, CHUNK):
-        sp = c0 + tl.arange(0, CHUNK)
-        part = sp[:, None].to(tl.int64) * total_rows + rows[None, :]         # [CHUNK, BLOCK_R]
-        ok = (sp < num_splits)[:, None] & row_ok[None, :]
-        m_s = tl.load(PM + part, mask=ok, other=float("-inf"))
-        l_s = tl.load(PL + part, mask=ok, other=0.0)
-        o_s = tl.load(PO + part[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
-                      other=0.0)
-        poison = poison | tl.max((m_s != m_s).to(tl.int32), axis=0)
-        m_s = tl.where(m_s == m_s, m_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(m_s, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a_old = tl.exp2(m_i - m_use)
-        w = tl.exp2(m_s - m_use[None, :])                                  # 0: empty or poisoned split
-        l_i = l_i * a_old + tl.sum(l_s * w, axis=0)
-        acc = acc * a_old[:, None] + tl.sum(o_s * w[:, :, None], axis=0)
-        m_i = m_new
+        for j in tl.static_range(CHUNK):
+            sp = rows * 0 + (c0 + j)                                   # the split, per row
+            part = sp * total_rows + rows
+            ok = row_ok & (sp < num_splits)
+            m_s = tl.load(PM + part, mask=ok, other=float("-inf"))
+            l_s = tl.load(PL + part, mask=ok, other=0.0)
+            o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=ok[:, None] & io_mask, other=0.0)
+            poison = poison | (m_s != m_s).to(tl.int32)
+            m_s = tl.where(m_s == m_s, m_s, float("-inf"))
+            m_new = tl.maximum(m_i, m_s)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a_old = tl.exp2(m_i - m_use)
+            a_new = tl.exp2(m_s - m_use)                               # 0: empty or poisoned split
+            l_i = l_i * a_old + l_s * a_new
+            acc = acc * a_old[:, None] + o_s * a_new[:, None]
+            m_i = m_new
     h = (rows // T) % Hq
     out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, HAS_SINK)
-    io_mask = row_ok[:, None] & d_ok[None, :]
     tl.store(OUT + rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
     tl.store(LSE + rows, lse, mask=row_ok)
 
@@ -369,7 +370,7 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
         q, k_arg, v_arg, mask_arg, off if off is not None else dummy, sk if sk is not None else dummy,
         out, lse, po, pm, pl,
         sq[0], sq[1], sq[2], skk[0], skk[1], skk[2], sv[0], sv[1], sv[2], sm[0], sm[1], sm[2], sm[3],
-        Hkv, G, T, S, M, R, total_rows, plan.num_splits,
+        Hkv, G, T, S, M, R, total_rows, plan.num_splits, plan.window_units,
         abs(scale_f), cap if cap is not None else 1.0,
         D=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, WINDOW_N=plan.window_n,
         SPLIT=plan.num_splits > 1, HAS_OFF=off is not None, HAS_SINK=sk is not None,
@@ -378,10 +379,10 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
         num_stages=plan.num_stages,
     )
     if plan.num_splits > 1:
-        chunk, block_r = heur.reduce_block(plan.num_splits, plan.block_d)
+        block_r = heur.reduce_block(plan.block_d)
         _tree_attn_reduce[(triton.cdiv(total_rows, block_r),)](
             po, pm, pl, sk if sk is not None else dummy, out, lse, total_rows, T, Hq, plan.num_splits,
-            D=D, BLOCK_R=block_r, BLOCK_D=plan.block_d, CHUNK=chunk, HAS_SINK=sk is not None,
+            D=D, BLOCK_R=block_r, BLOCK_D=plan.block_d, CHUNK=heur.REDUCE_CHUNK, HAS_SINK=sk is not None,
             num_warps=4,
         )
     return out, lse

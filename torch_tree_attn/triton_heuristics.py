@@ -12,9 +12,10 @@ upcast to float32).
 """
 import dataclasses
 import functools
+import math
 from typing import Optional
 
-# (D, dot kind) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), tuned on an H200 (132 SMs,
+# (D, dot kind) -> (BLOCK_M, BLOCK_N, num_warps, num_stages[, WINDOW_N]), tuned on an H200 (132 SMs,
 # triton 3.6, torch 2.11) with benchmarks/tune_cuda.py, CUDA-graph replays, the split model
 # below choosing the splits (its choice was the measured best split count, or within 3%):
 #   bf16 D=128 Hq32/Hkv8 T64: P=4096 22.9 us, P=16384 51.6, P=65536 153.6 with (128, 64, 8, 3)
@@ -27,8 +28,8 @@ from typing import Optional
 #   D=96 takes D=128's tiles (not measured).
 CONFIGS = {
     (64, "half"): (64, 128, 4, 3),
-    (96, "half"): (128, 64, 8, 3),
-    (128, "half"): (128, 64, 8, 3),
+    (96, "half"): (64, 64, 4, 3),
+    (128, "half"): (64, 64, 4, 3),
     (256, "half"): (128, 64, 8, 2),
     (512, "half"): (32, 32, 4, 1),
     (64, "f32"): (32, 32, 4, 2),
@@ -38,33 +39,33 @@ CONFIGS = {
     (512, "f32"): (16, 16, 8, 1),
 }
 
-# Flash-decoding splits, from a makespan model in units of one prefix key tile's work. With
-# s > 1 splits, splits 0 .. s-2 share the prefix tiles and split s-1 runs the window (the
-# masked sub-tiles), so the two run side by side:
-#   s = 1:  waves(1) * (tiles + window + PROGRAM_OVERHEAD_TILES)
-#   s > 1:  waves(s) * (max(ceil(tiles / (s-1)), window) + PROGRAM_OVERHEAD_TILES)
-#           + REDUCE_COST_TILES + s * REDUCE_COST_PER_SPLIT
-# with waves(s) = ceil(programs * s / (SMs * programs per SM)) and window the window's cost
-# (WINDOW_COST_FACTOR per key of a prefix key); the smallest s reaching the minimum wins
-# (fewer partials). The per-split term is every split's partials written and read back
-# (on the H200 it made the model pick 8 splits at P=65536, measured 184 us, not 33, 202). Only when the rows alone leave SMs idle. At most MAX_SPLITS splits (the
-# reduce kernel reads every split's partial).
+# Flash-decoding splits, from a makespan model in units of one prefix key tile's work. The
+# window (the masked sub-tiles) costs `window` tiles (WINDOW_COST_FACTOR per key of a prefix
+# key: the H200 ran a 64-key window in about the time of 12 prefix tiles, 8 us, its
+# sub-tiles being latency-bound); the splits share prefix and window in equal work, the last split taking the window:
+#   waves(s) * (ceil((tiles + window) / s) + PROGRAM_OVERHEAD_TILES)
+#     + [s > 1] * (REDUCE_COST_TILES + s * REDUCE_COST_PER_SPLIT)
+# with waves(s) = ceil(programs * s / (SMs * programs per SM)); the smallest s reaching the
+# minimum wins (fewer partials). The per-split term is each split's partials written and
+# read back (without it the model chose 33 splits at P=65536 on the H200, 8 measured best).
+# Only when the rows alone leave SMs idle. At most MAX_SPLITS splits.
 # Programs resident per SM: the kernels use all 255 registers a thread may have (ptxas,
 # sm_90a), so registers decide: 65536 per SM / (threads per program * 255).
 REGISTERS_PER_SM = 65536
 REGISTERS_PER_THREAD = 255
 # Window tiles (where the mask applies) are processed WINDOW_N keys at a time (>= 16 for
-# tl.dot): their masks and selections then need few registers.
+# tl.dot; a config's fifth entry overrides it): their masks and selections then need few
+# registers.
 WINDOW_N = 16
 PROGRAM_OVERHEAD_TILES = 2.0
 REDUCE_COST_TILES = 4.0
 REDUCE_COST_PER_SPLIT = 1.0
-WINDOW_COST_FACTOR = 2.0
+WINDOW_COST_FACTOR = 8.0
 MAX_SPLITS = 64
-# The reduce kernel loads a [chunk of splits (a power of 2), rows, D] block of partials at
-# once: at most REDUCE_BLOCK_ELEMS float32 (4 warps: 64 per thread), 1..16 rows.
-REDUCE_BLOCK_ELEMS = 8192
-REDUCE_MAX_ROWS = 16
+# The reduce kernel: REDUCE_ELEMS partial elements per split per program (4 warps, 4 per
+# thread), REDUCE_CHUNK splits' loads issued together (an unrolled loop).
+REDUCE_ELEMS = 512
+REDUCE_CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Plan:
     num_stages: int
     row_blocks: int      # programs along the rows of a kv head: ceil(G*T / block_m)
     num_splits: int      # programs along the keys; 1 = no reduce kernel
+    window_units: int    # the window's share of the split work, in prefix tiles
 
     def skip_unseen(self, T: int, M: int) -> bool:
         """Whether the window loop tests each sub-tile for a row that sees it (a branch,
@@ -105,16 +107,18 @@ def choose(D: int, half_dot: bool, rows_per_head: int, batch_heads: int, S: int,
     key capacity, M the window (mask columns). Offsets are never read on the host, so the
     model assumes a full cache: a prefix of S - M keys. `num_splits`/`config` override the
     table (tests, tuning)."""
-    block_m, block_n, num_warps, num_stages = config or CONFIGS[(D, "half" if half_dot else "f32")]
+    block_m, block_n, num_warps, num_stages, *window = config or CONFIGS[(D, "half" if half_dot else "f32")]
     # Don't pad a tiny row count up to a large block (tl.dot needs M >= 16).
     block_m = max(16, min(block_m, _next_pow2(rows_per_head)))
-    window_n = min(WINDOW_N, block_n)
+    window_n = window[0] if window else min(WINDOW_N, block_n)
     row_blocks = _cdiv(rows_per_head, block_m)
+    window = window_tiles(min(M, S), block_n, window_n)
     if num_splits is None:
-        num_splits = choose_splits(_cdiv(max(S - M, 0), block_n), window_tiles(min(M, S), block_n, window_n),
-                                   row_blocks * batch_heads, num_sms, programs_per_sm(num_warps))
+        num_splits = choose_splits(_cdiv(max(S - M, 0), block_n), window, row_blocks * batch_heads, num_sms,
+                                   programs_per_sm(num_warps))
     return Plan(block_m=block_m, block_n=block_n, block_d=_next_pow2(D), window_n=window_n,
-                num_warps=num_warps, num_stages=num_stages, row_blocks=row_blocks, num_splits=int(num_splits))
+                num_warps=num_warps, num_stages=num_stages, row_blocks=row_blocks, num_splits=int(num_splits),
+                window_units=math.ceil(window))
 
 
 def window_tiles(M: int, block_n: int, window_n: int) -> float:
@@ -126,12 +130,10 @@ def window_tiles(M: int, block_n: int, window_n: int) -> float:
     return sub_tiles * window_n / block_n * WINDOW_COST_FACTOR
 
 
-def reduce_block(num_splits: int, block_d: int) -> tuple:
-    """(splits per load, rows per program) of the reduce kernel: every split in one load
-    where it fits."""
-    chunk = min(_next_pow2(num_splits), max(1, REDUCE_BLOCK_ELEMS // block_d))
-    rows = max(1, min(REDUCE_MAX_ROWS, REDUCE_BLOCK_ELEMS // (chunk * block_d)))
-    return chunk, 1 << (rows.bit_length() - 1)
+def reduce_block(block_d: int) -> int:
+    """Rows per program of the reduce kernel: REDUCE_ELEMS of a split's partial each (4 per
+    thread), so that there are many programs and each has one load per split in flight."""
+    return max(1, REDUCE_ELEMS // block_d)
 
 
 def programs_per_sm(num_warps: int) -> int:
@@ -141,10 +143,8 @@ def programs_per_sm(num_warps: int) -> int:
 def makespan(tiles: int, window: float, programs: int, num_sms: int, splits: int, per_sm: int = 1) -> float:
     """The split model's cost of `splits` key splits, in key-tile units (see above)."""
     waves = _cdiv(programs * splits, num_sms * per_sm)
-    if splits == 1:
-        return waves * (tiles + window + PROGRAM_OVERHEAD_TILES)
-    return (waves * (max(_cdiv(tiles, splits - 1), window) + PROGRAM_OVERHEAD_TILES) + REDUCE_COST_TILES
-            + splits * REDUCE_COST_PER_SPLIT)
+    cost = waves * (math.ceil((tiles + window) / splits) + PROGRAM_OVERHEAD_TILES)
+    return cost + (REDUCE_COST_TILES + splits * REDUCE_COST_PER_SPLIT if splits > 1 else 0.0)
 
 
 def choose_splits(tiles: int, window: float, programs: int, num_sms: int, per_sm: int = 1) -> int:
