@@ -15,14 +15,16 @@ import functools
 import math
 from typing import Optional
 
-# (D, dot kind) -> (BLOCK_M, BLOCK_N, num_warps, num_stages[, WINDOW_N]), tuned on an H200 (132 SMs,
-# triton 3.6, torch 2.11) with benchmarks/tune_cuda.py, CUDA-graph replays, the split model
-# below choosing the splits (its choice was the measured best split count, or within 3%):
-#   bf16 D=128 Hq32/Hkv8 T64: P=4096 22.9 us, P=16384 51.6, P=65536 153.6 with (128, 64, 8, 3)
-#     (64x64 tiles lose 3-6%; 128x128 ties); B=8 P=16384 300.7 with (64, 64, 4, 3), 324 with
-#     (128, 64, 8, 3); T=16 P=16384 31.8 with 64 rows (BLOCK_M is clamped to G*T).
-#   bf16 D=64 Hq64/Hkv8: (64, 128, 4, 3) 63.2 us at P=16384; D=256 Hq16/Hkv8: (128, 64, 8, 2)
-#     68.4; D=512 Hq8/Hkv2: (32, 32, 4, 1) 194.6 (larger tiles spill).
+# (D, dot kind) -> (BLOCK_M, BLOCK_N, num_warps, num_stages[, WINDOW_N]), tuned on an H200
+# (132 SMs, triton 3.6, torch 2.11) with benchmarks/tune_cuda.py, CUDA-graph replays, the
+# split model below choosing the splits:
+#   bf16 D=128 Hq32/Hkv8 T64, this kernel (balanced splits, pipelined window, one-FMA
+#     exponent), (64, 64, 4, 3) best at every shape: P=1024 15.2 us (s=4), P=4096 21.1
+#     (s=8), P=16384 48.1 (s=8), P=65536 153.5 (s=8), B=8 P=16384 307 (s=1), T=16 P=16384
+#     29.6 (s=16); (128, 64, 8, 3) 4-12% slower, 16-key window sub-tiles 2-30% faster than
+#     32 except at B=8 (1% slower).
+#   Earlier kernel: bf16 D=64 Hq64/Hkv8: (64, 128, 4, 3) 63.2 us at P=16384; D=256 Hq16/Hkv8:
+#     (128, 64, 8, 2) 68.4; D=512 Hq8/Hkv2: (32, 32, 4, 1) 194.6 (larger tiles spill).
 #   float32 D=128: (32, 32, 4, 2) 1633 us at P=16384: IEEE float32 tl.dot has no tensor-core
 #     path (TF32 would lose precision); the other float32 entries are scaled from it, untuned.
 #   D=96 takes D=128's tiles (not measured).
