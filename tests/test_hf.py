@@ -370,7 +370,10 @@ def test_tree_verify_matches_eager_and_sdpa(kind, cache_kind, left_pads):
                 if layer.keys is None:  # Gemma 4's KV-shared layers keep no cache of their own
                     continue
                 written = min(tree_len, layer.keys.shape[2])
-                torch.testing.assert_close(layer.keys[:, :, -written:], ref_layer.keys[:, :, -written:])
+                # Keys of later layers carry the earlier layers' attention rounding: the
+                # logits' tolerance (float32 on a GPU differs in the last bits).
+                torch.testing.assert_close(layer.keys[:, :, -written:], ref_layer.keys[:, :, -written:],
+                                           atol=5e-5, rtol=1e-5)
     model.set_attn_implementation("tree_attn")
 
 
