@@ -140,11 +140,11 @@ def _tree_attn_main(
     Prefix tiles run unmasked. Window sub-tiles load the mask, K and V at the top of the
     loop (so the pipeliner can prefetch them), with bounds masks (other=0) so no slot >=
     kend is read; with SKIP_UNSEEN they skip the math when no row of the block sees any of
-    their keys. What a
-    row does not see is excluded by selection (tl.where), never by arithmetic: a poison flag
-    per row records a non-finite raw score, a seen NaN/+inf bias or a seen non-finite V row
-    (window V rows are zeroed before P.V so their NaN cannot reach rows that don't see
-    them); a non-finite accumulator (a prefix V) poisons at the end.
+    their keys. What a row does not see is excluded by selection (tl.where), never by
+    arithmetic: a poison flag per row records a non-finite raw score, a seen NaN/+inf bias
+    or a seen non-finite V row (window V rows are zeroed before P.V so their NaN cannot
+    reach rows that don't see them); a non-finite accumulator (a prefix V) poisons at the
+    end.
 
     Q is the query times sign(scale) (the launcher negates it, exactly, for a negative
     scale), so raw scores times |scale| are the scaled scores and a prefix tile's max can
