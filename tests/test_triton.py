@@ -87,6 +87,10 @@ def test_heuristics():
         assert plan.window_n >= 16 and plan.block_n % plan.window_n == 0
         assert plan.window_n == (wn[0] if wn else min(heur.WINDOW_N, bn))
     assert heur.choose(64, True, 50, 1, 10000, 50, 132, num_splits=5).num_splits == 5
+    assert heur.choose(128, True, 256, 8, 4096, 64, 132, config=(64, 64, 4, 3, 32)).window_n == 32
+    for bad in (8, 24, 128):   # below tl.dot's 16, not a power of 2, wider than the tile
+        with pytest.raises(ValueError, match=f"window sub-tile .* got {bad}"):
+            heur.choose(128, True, 256, 8, 4096, 64, 132, config=(64, 64, 4, 3, bad))
     # The window loop's skip test (which costs it its pipelining) only where whole sub-tiles
     # can go unseen: part of a tree per block, or a window wider than the tree.
     plan = heur.choose(128, True, 256, 8, 16384 + 64, 64, 132)

@@ -318,6 +318,11 @@ def _tree_attn_reduce(
     tl.store(LSE + rows, lse, mask=row_ok)
 
 
+def _strides(t: torch.Tensor) -> list:
+    """Element strides as the kernels take them (0 along a dimension of size 1), like prepare()'s."""
+    return [0 if t.size(i) == 1 else t.stride(i) for i in range(t.dim())]
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return heur.sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -343,15 +348,14 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
     total_rows = B * Hq * T
     if scale_f < 0:                      # the kernels take |scale| and Q * sign(scale)
         q = torch.neg(q)                 # exact
-        sq = [0 if q.size(i) == 1 else q.stride(i) for i in range(4)]
+        sq = _strides(q)
     half_dot = q.dtype != torch.float32
     plan = heur.choose(D, half_dot, R, B * Hkv, S, M, _num_sms(device), num_splits=num_splits, config=config)
     # The kernel addresses inside a key tile with int32 offsets (n * key-row stride + d).
     # A cache whose key rows lie too far apart for that is read from a contiguous copy.
     if (plan.block_n - 1) * max(skk[2], sv[2]) + plan.block_d >= 2**31:
         k, v = k.contiguous(), v.contiguous()
-        skk = [0 if k.size(i) == 1 else k.stride(i) for i in range(4)]
-        sv = [0 if v.size(i) == 1 else v.stride(i) for i in range(4)]
+        skk, sv = _strides(k), _strides(v)
     # Empty tensors may have no valid address; they are never dereferenced (no key, no window).
     dummy = out
     if not mask_float:

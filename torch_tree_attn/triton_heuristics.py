@@ -44,7 +44,8 @@ CONFIGS = {
 # Flash-decoding splits, from a makespan model in units of one prefix key tile's work. The
 # window (the masked sub-tiles) costs `window` tiles (WINDOW_COST_FACTOR per key of a prefix
 # key: the H200 ran a 64-key window in about the time of 12 prefix tiles, 8 us, its
-# sub-tiles being latency-bound); the splits share prefix and window in equal work, the last split taking the window:
+# sub-tiles being latency-bound); the splits share prefix and window in equal work, the
+# last split taking the window:
 #   waves(s) * (ceil((tiles + window) / s) + PROGRAM_OVERHEAD_TILES)
 #     + [s > 1] * (REDUCE_COST_TILES + s * REDUCE_COST_PER_SPLIT)
 # with waves(s) = ceil(programs * s / (SMs * programs per SM)); the smallest s reaching the
@@ -109,18 +110,22 @@ def choose(D: int, half_dot: bool, rows_per_head: int, batch_heads: int, S: int,
     key capacity, M the window (mask columns). Offsets are never read on the host, so the
     model assumes a full cache: a prefix of S - M keys. `num_splits`/`config` override the
     table (tests, tuning)."""
-    block_m, block_n, num_warps, num_stages, *window = config or CONFIGS[(D, "half" if half_dot else "f32")]
+    block_m, block_n, num_warps, num_stages, *window_override = config or CONFIGS[(D, "half" if half_dot else "f32")]
     # Don't pad a tiny row count up to a large block (tl.dot needs M >= 16).
     block_m = max(16, min(block_m, _next_pow2(rows_per_head)))
-    window_n = window[0] if window else min(WINDOW_N, block_n)
+    window_n = window_override[0] if window_override else min(WINDOW_N, block_n)
+    if window_n < 16 or window_n & (window_n - 1) or block_n % window_n:
+        raise ValueError(f"config: the window sub-tile must be a power of 2 >= 16 dividing BLOCK_N={block_n}, "
+                         f"got {window_n}")
     row_blocks = _cdiv(rows_per_head, block_m)
-    window = window_tiles(min(M, S), block_n, window_n)
+    # The window's share of the split work, in whole prefix tiles: the kernel's and the model's.
+    window_units = math.ceil(window_tiles(min(M, S), block_n, window_n))
     if num_splits is None:
-        num_splits = choose_splits(_cdiv(max(S - M, 0), block_n), window, row_blocks * batch_heads, num_sms,
+        num_splits = choose_splits(_cdiv(max(S - M, 0), block_n), window_units, row_blocks * batch_heads, num_sms,
                                    programs_per_sm(num_warps))
     return Plan(block_m=block_m, block_n=block_n, block_d=_next_pow2(D), window_n=window_n,
                 num_warps=num_warps, num_stages=num_stages, row_blocks=row_blocks, num_splits=int(num_splits),
-                window_units=math.ceil(window))
+                window_units=window_units)
 
 
 def window_tiles(M: int, block_n: int, window_n: int) -> float:
