@@ -71,9 +71,10 @@ def _online_softmax_step(s, c, v, m_i, l_i, acc, ALL_SEEN: tl.constexpr, HALF_DO
     and NaN for NaN or +-inf, so l_i (and the row's acc) become NaN and stay NaN, and the
     epilogue's finiteness test of l_i and acc poisons the row. The max needs no care: a
     NaN or +inf there only changes a row that is poisoned anyway.
-    Otherwise (window tiles) unseen and bad entries are -inf by selection and p is exactly 0
-    there. A row that has seen no key keeps m = -inf and subtracts 0, so every exponent is
-    exp2(-inf) = 0, never NaN; s * c - m <= 0 cannot overflow."""
+    Otherwise (window tiles) unseen entries are -inf by selection and p is exactly 0 there;
+    an entry the row sees is NaN where it must poison (the caller's selection). A row that
+    has seen no key keeps m = -inf and subtracts 0, so every exponent is exp2(-inf) = 0,
+    never NaN; s * c - m <= 0 cannot overflow."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * c)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s * c - m_use[:, None])
@@ -141,10 +142,11 @@ def _tree_attn_main(
     loop (so the pipeliner can prefetch them), with bounds masks (other=0) so no slot >=
     kend is read; with SKIP_UNSEEN they skip the math when no row of the block sees any of
     their keys. What a row does not see is excluded by selection (tl.where), never by
-    arithmetic: a poison flag per row records a non-finite raw score, a seen NaN/+inf bias
-    or a seen non-finite V row (window V rows are zeroed before P.V so their NaN cannot
-    reach rows that don't see them); a non-finite accumulator (a prefix V) poisons at the
-    end.
+    arithmetic. Non-finite values poison by propagation everywhere: in the prefix through
+    p + 0 * s (every row sees every key), in the window through a term that is NaN exactly
+    where a row sees a key with a non-finite raw score, bias or V row (window V rows are
+    zeroed before P.V so their NaN cannot reach rows that don't see them); at the end a
+    non-finite l_i or accumulator poisons the row.
 
     Q is the query times sign(scale) (the launcher negates it, exactly, for a negative
     scale), so raw scores times |scale| are the scaled scores and a prefix tile's max can
@@ -193,7 +195,6 @@ def _tree_attn_main(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    poison = tl.zeros((BLOCK_M,), dtype=tl.int32)
     c = scale_abs * LOG2E
 
     # --- prefix tiles: every key < off <= S, every row sees every key ------------------
@@ -217,8 +218,8 @@ def _tree_attn_main(
             m_i, l_i, acc = _online_softmax_step(s, c, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
 
     # --- window sub-tiles: keys [n_prefix * BLOCK_N, kend), the mask decides -------------
-    # WINDOW_N keys at a time: the mask, its selections and the poison tests are
-    # [BLOCK_M, WINDOW_N], which keeps the kernel's register peak at the prefix loop's.
+    # WINDOW_N keys at a time: the mask and its selections are [BLOCK_M, WINDOW_N], which
+    # keeps the kernel's register peak at the prefix loop's.
     w_ar = tl.arange(0, WINDOW_N)
     kw_in_tile = w_ar[:, None] * sk2 + d[None, :]
     vw_in_tile = w_ar[:, None] * sv2 + d[None, :]
@@ -245,23 +246,28 @@ def _tree_attn_main(
         # probabilities are exactly 0 by selection.
         if not SKIP_UNSEEN or tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
             s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * scale_abs
-            bad = seen & _not_finite(s)
+            # Poison by propagation, as in the prefix, but only through what a row sees:
+            # z is NaN where a row sees a key whose raw score, bias or V row is not finite,
+            # 0 elsewhere (unseen entries by selection), and it joins the exponent.
+            v_nan = tl.sum(v.to(tl.float32) * 0.0, axis=1)          # per key: 0, or NaN
+            z = s * 0.0 + v_nan[None, :]
             if MASK_FLOAT:
-                bad = bad | (seen_w & ((bias != bias) | (bias == float("inf"))))
-            v_bad = tl.max(_not_finite(v).to(tl.int32), axis=1) != 0   # per key
-            bad = bad | (seen & v_bad[None, :])
-            poison = poison | tl.max(bad.to(tl.int32), axis=1)
+                bias = tl.where(seen_w, bias, 0.0)
+                z = z + bias * 0.0
+            z = tl.where(seen, z, 0.0)
             if HAS_SOFTCAP:
                 s = softcap * _tanh(s / softcap)
             if MASK_FLOAT:
-                s = s + tl.where(seen_w, bias, 0.0)
-            s = tl.where(seen & ~bad, s, float("-inf"))
-            v = tl.where(v_bad[:, None], 0.0, v).to(v.dtype)
+                s = s + bias
+            s = tl.where(seen, s + z, float("-inf"))
+            # A V row that is not finite is zeroed: 0 * NaN must not reach the rows that
+            # don't see it (those that do are poisoned through z).
+            v = tl.where((v_nan != 0.0)[:, None], 0.0, v).to(v.dtype)
             m_i, l_i, acc = _online_softmax_step(s, LOG2E, v, m_i, l_i, acc, False, HALF_DOT, UPCAST)
 
-    # A non-finite prefix score reaches l_i and acc, a non-finite prefix V reaches acc
-    # (through P.V, also as 0 * NaN): they poison here.
-    poison = poison | _not_finite(l_i).to(tl.int32) | tl.max(_not_finite(acc).to(tl.int32), axis=1)
+    # Every non-finite value a row sees has reached its l_i (a score, bias or window V row,
+    # through p) or its acc (a prefix V row, through P.V, also as 0 * NaN): it poisons here.
+    poison = _not_finite(l_i).to(tl.int32) | tl.max(_not_finite(acc).to(tl.int32), axis=1)
     flat = bh.to(tl.int64) * R + rows    # row of the [B, Hq, T] output, = (b*Hkv + kvh)*R + r
     io_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
