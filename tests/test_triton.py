@@ -119,6 +119,8 @@ def _aot_compile(fn, ptr_types, constexprs, num_warps, num_stages=1):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from torch_tree_attn.triton_backend import FP_FUSION  # the launcher's option
+
     sig, attrs = {}, {}
     for index, (name, param) in enumerate(inspect.signature(fn.fn).parameters.items()):
         if "constexpr" in str(param.annotation):
@@ -133,7 +135,8 @@ def _aot_compile(fn, ptr_types, constexprs, num_warps, num_stages=1):
             if name[:2] in ("sq", "sk", "sv", "sm") and name[-1] in "012":
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION))
 
 
 @needs_triton
