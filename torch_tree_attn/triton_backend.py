@@ -251,14 +251,13 @@ def _tree_attn_main(
         if not SKIP_UNSEEN or tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
             s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * scale_abs
             # Poison by propagation, as in the prefix, but only through what a row sees:
-            # z is NaN where a row sees a key whose raw score, bias or V row is not finite,
-            # 0 elsewhere (unseen entries by selection), and it joins the exponent.
+            # z is NaN where a key's raw score, V row or (seen) bias is not finite, else 0;
+            # it joins the exponent of the entries a row sees (the selection below).
             v_nan = tl.sum(v.to(tl.float32) * 0.0, axis=1)          # per key: 0, or NaN
             z = s * 0.0 + v_nan[None, :]
             if MASK_FLOAT:
                 bias = tl.where(seen_w, bias, 0.0)
                 z = z + bias * 0.0
-            z = tl.where(seen, z, 0.0)
             if HAS_SOFTCAP:
                 s = softcap * _tanh(s / softcap)
             if MASK_FLOAT:
