@@ -2,6 +2,10 @@
 kernel and, on macOS, the MPS backend with the Metal launch plan. C++17, against the
 torch already installed (pip install --no-build-isolation).
 
+The CUDA backend's host side (csrc/cuda/) is built everywhere; its prebuilt kernels
+(torch_tree_attn/kernels/, csrc/cuda/build_kernels.py) where torch has CUDA and triton is
+importable, or for the architectures TORCH_TREE_ATTN_CUDA_ARCHS names ("80;90", "none").
+
 The shader source is embedded at build time (build/generated/shader_source.h, compiled by
 Metal at first use on macOS). The Metal simulator is test apparatus with a build of its
 own (tests/sim/setup.py); nothing of it is built or installed here.
@@ -85,7 +89,9 @@ def embed_shader_source():
 
 
 def sources():
-    srcs = glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
+    # csrc/cuda/: the CUDA backend's host side (plan, kernel registry, driver-API launch),
+    # built everywhere: it links no CUDA library (the driver is loaded at first launch).
+    srcs = [s for sub in ("", "cpu", "cuda") for s in glob.glob(os.path.join(ROOT, "csrc", sub, "*.cpp"))]
     if IS_MACOS:
         # csrc/metal/: the launch plan (.cpp) and the Objective-C++ MPS host (.mm).
         srcs += glob.glob(os.path.join(ROOT, "csrc", "metal", "*.cpp"))
@@ -94,6 +100,22 @@ def sources():
 
 
 embed_shader_source()
+
+
+def build_cuda_kernels():
+    """The prebuilt CUDA kernels (csrc/cuda/build_kernels.py) where torch has CUDA and
+    triton is importable, or for TORCH_TREE_ATTN_CUDA_ARCHS: compiled by Triton without a
+    GPU into torch_tree_attn/kernels/, once (skipped while sources and triton are unchanged)."""
+    from build_kernels import archs_from_env, build
+
+    archs = archs_from_env()
+    if archs:
+        build(archs)
+
+
+if not any(a in sys.argv for a in ("egg_info", "dist_info", "--version", "clean")):
+    sys.path.insert(0, os.path.join(ROOT, "csrc", "cuda"))
+    build_cuda_kernels()
 
 cxx_flags = ["-std=c++17", "-O3", "-fvisibility=hidden"]
 if platform.machine() in ("x86_64", "AMD64"):
@@ -117,7 +139,7 @@ setup(
     version="0.1.0",
     description="Tree attention for speculative-decoding verification (EAGLE-3, EAGLE-2, Medusa) in PyTorch",
     packages=find_packages(include=["torch_tree_attn", "torch_tree_attn.*"]),
-    package_data={"torch_tree_attn": ["assets/*"]},
+    package_data={"torch_tree_attn": ["assets/*", "kernels/*"]},
     ext_modules=[
         CppExtension(
             "torch_tree_attn._C",

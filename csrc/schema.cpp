@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/bindings.h"
 #include "schema.h"
 #include "tree_attn.h"
 
@@ -44,38 +45,17 @@ void check_contract(const ArgMeta& query, const ArgMeta& key, const ArgMeta& val
   }
 }
 
-// The internal entry of the Python (Triton) CUDA backend: the shared prepare() with
-// OffsetCheck::ClampInKernelAnyInt (offsets never read on the host, so no device sync and
-// the call is capturable in a CUDA graph; int64 offsets need no conversion kernel),
-// returning what a launcher needs. No validation
-// happens anywhere else.
-//   (query, key, value, mask, offsets|None, sinks|None, ints, scale, softcap|None)
-//   query/key/value: stride(-1) == 1; mask: bool or float32, original (broadcast) strides;
-//   offsets: int32 or int64 [B] contiguous, as given; sinks: float32 [Hq];
-//   ints: [B, Hq, Hkv, G, T, S, D, M, mask_is_float,
-//          q_stride x4, k_stride x4, v_stride x4, mask_stride x4]  (element strides,
-//          (batch, head, row, dim/column), broadcast dims 0)
-using PrepareResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>,
-                                 std::optional<at::Tensor>, std::vector<int64_t>, double, std::optional<double>>;
-
-PrepareResult prepare_for_launcher(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                   const at::Tensor& mask, const std::optional<at::Tensor>& mask_offset,
-                                   std::optional<double> scale, std::optional<double> softcap,
-                                   const std::optional<at::Tensor>& sinks) {
+// The shared prepare() for the Triton interpreter launcher (torch_tree_attn/triton_backend.py),
+// with OffsetCheck::ClampInKernelAnyInt as the C++ CUDA backend uses it: offsets are never
+// read on the host. Returns the typed Prepared (bound below). No validation happens
+// anywhere else.
+tree_attn::Prepared prepare_for_launcher(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                         const at::Tensor& mask, const std::optional<at::Tensor>& mask_offset,
+                                         std::optional<double> scale, std::optional<double> softcap,
+                                         const std::optional<at::Tensor>& sinks) {
   try {
-    const tree_attn::Prepared in = tree_attn::prepare(query, key, value, mask, mask_offset, scale, softcap, sinks,
-                                                      tree_attn::OffsetCheck::ClampInKernelAnyInt);
-    const auto& p = in.p;
-    std::vector<int64_t> ints = {p.B, p.Hq, p.Hkv, p.G, p.T, p.S, p.D, p.M,
-                                 p.mask_kind == tree_attn::MaskKind::Additive ? 1 : 0};
-    for (const int64_t* st : {p.q_stride, p.k_stride, p.v_stride, p.mask_stride})
-      ints.insert(ints.end(), st, st + 4);
-    std::optional<at::Tensor> offsets, sink_t;
-    if (p.has_offsets) offsets = in.offsets;
-    if (p.has_sinks) sink_t = in.sinks;
-    std::optional<double> cap;
-    if (p.softcap > 0.0f) cap = double(p.softcap);
-    return {in.query, in.key, in.value, in.mask, offsets, sink_t, ints, double(p.scale), cap};
+    return tree_attn::prepare(query, key, value, mask, mask_offset, scale, softcap, sinks,
+                              tree_attn::OffsetCheck::ClampInKernelAnyInt);
   } catch (const c10::ValueError& e) {
     throw pybind11::value_error(e.what_without_backtrace());
   } catch (const c10::TypeError& e) {
@@ -83,11 +63,51 @@ PrepareResult prepare_for_launcher(const at::Tensor& query, const at::Tensor& ke
   }
 }
 
+std::vector<int64_t> strides4(const int64_t* s) { return std::vector<int64_t>(s, s + 4); }
+
+std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  namespace py = pybind11;
+  using tree_attn::Prepared;
+  using tree_attn::Problem;
   m.doc() = "torch_tree_attn's C++ extension: importing it registers the tree_attn operators";
   m.def("check_contract", &check_contract, "Checks a call's metadata against the op contract (for the fakes).");
+
+  py::class_<Problem>(m, "Problem", "A validated call's sizes, strides and options (csrc/tree_attn.h).")
+      .def_readonly("B", &Problem::B)
+      .def_readonly("Hq", &Problem::Hq)
+      .def_readonly("Hkv", &Problem::Hkv)
+      .def_readonly("G", &Problem::G)
+      .def_readonly("T", &Problem::T)
+      .def_readonly("S", &Problem::S)
+      .def_readonly("D", &Problem::D)
+      .def_readonly("M", &Problem::M)
+      .def_property_readonly("q_stride", [](const Problem& p) { return strides4(p.q_stride); })
+      .def_property_readonly("k_stride", [](const Problem& p) { return strides4(p.k_stride); })
+      .def_property_readonly("v_stride", [](const Problem& p) { return strides4(p.v_stride); })
+      .def_property_readonly("mask_stride", [](const Problem& p) { return strides4(p.mask_stride); })
+      .def_property_readonly("mask_float", [](const Problem& p) { return p.mask_kind == tree_attn::MaskKind::Additive; })
+      .def_readonly("has_offsets", &Problem::has_offsets)
+      .def_readonly("has_sinks", &Problem::has_sinks)
+      .def_readonly("scale", &Problem::scale)
+      .def_property_readonly("softcap", [](const Problem& p) {
+        return p.softcap > 0.0f ? std::optional<double>(p.softcap) : std::nullopt;
+      })
+      .def_property_readonly("empty", &Problem::empty);
+  py::class_<Prepared>(m, "Prepared", "A validated call: its tensors as the kernels read them, and its Problem.")
+      .def_readonly("query", &Prepared::query)
+      .def_readonly("key", &Prepared::key)
+      .def_readonly("value", &Prepared::value)
+      .def_readonly("mask", &Prepared::mask)
+      .def_property_readonly("offsets", [](const Prepared& p) { return defined_or_none(p.offsets); })
+      .def_property_readonly("sinks", [](const Prepared& p) { return defined_or_none(p.sinks); })
+      .def_readonly("problem", &Prepared::p);
   m.def("_prepare", &prepare_for_launcher,
-        "The shared prepare() with in-kernel offset clamping, for the Python CUDA (Triton) launcher.");
+        "The shared prepare() with in-kernel offset clamping (the Triton interpreter launcher's).");
+  tree_attn::cuda::bind(m);
 }

@@ -56,7 +56,7 @@ def test_heuristics():
     from torch_tree_attn import triton_heuristics as heur
 
     # Reference shape on an H200 (132 SMs): 256 rows per kv head, 8 kv heads, a 64-node tree.
-    plan = heur.choose(128, True, 256, 8, 16384 + 64, 64, 132)
+    plan = heur.choose(128, True, 256, 8, 16384 + 64, 64, 132, T=64)
     assert plan.row_blocks * plan.block_m >= 256 and plan.kv_reads == plan.row_blocks
     assert 1 < plan.num_splits <= heur.MAX_SPLITS
     per_sm = heur.programs_per_sm(plan.num_warps)
@@ -87,87 +87,66 @@ def test_heuristics():
         assert plan.window_n >= 16 and plan.block_n % plan.window_n == 0
         assert plan.window_n == (wn[0] if wn else min(heur.WINDOW_N, bn))
     assert heur.choose(64, True, 50, 1, 10000, 50, 132, num_splits=5).num_splits == 5
+    assert heur.choose(64, True, 50, 1, 10000, 50, 132, num_splits=5).num_splits == 5
     assert heur.choose(128, True, 256, 8, 4096, 64, 132, config=(64, 64, 4, 3, 32)).window_n == 32
     for bad in (8, 24, 128):   # below tl.dot's 16, not a power of 2, wider than the tile
         with pytest.raises(ValueError, match=f"window sub-tile .* got {bad}"):
             heur.choose(128, True, 256, 8, 4096, 64, 132, config=(64, 64, 4, 3, bad))
     # The window loop's skip test (which costs it its pipelining) only where whole sub-tiles
     # can go unseen: part of a tree per block, or a window wider than the tree.
-    plan = heur.choose(128, True, 256, 8, 16384 + 64, 64, 132)
-    assert not plan.skip_unseen(64, 64) and plan.skip_unseen(256, 256) and plan.skip_unseen(64, 96)
+    assert not heur.choose(128, True, 256, 8, 16384 + 64, 64, 132, T=64).skip_unseen
+    assert heur.choose(128, True, 1024, 8, 16384 + 256, 256, 132, T=256).skip_unseen
+    assert heur.choose(128, True, 256, 8, 16384 + 96, 96, 132, T=64).skip_unseen
 
 
-# Ahead-of-time compilation for an H100/H200 (sm_90) with triton's bundled ptxas: the real
-# (non-interpreter) Triton frontend and backend accept the kernels, without a GPU.
+# Ahead-of-time compilation for an H100/H200 (sm_90) with triton's bundled ptxas, through
+# the same spec -> signature path the prebuilt table and the run-time fallback use
+# (torch_tree_attn/triton_compile.py): the real (non-interpreter) Triton frontend and
+# backend accept the kernels, without a GPU.
 AOT_VARIANTS = [
-    # (query, key/value, head dim, split, float mask, sinks, softcap)
-    ("bf16", "bf16", 128, True, False, True, False),
-    ("fp16", "fp16", 64, False, True, False, True),
-    ("fp32", "fp32", 96, True, True, True, True),
-    ("fp32", "bf16", 512, False, False, False, False),
-    ("bf16", "bf16", 512, True, True, False, False),
+    # (query, key/value, head dim, float mask, softcap, skip test)
+    ("bf16", "bf16", 128, False, False, False),
+    ("fp16", "fp16", 64, True, True, False),
+    ("fp32", "fp32", 96, True, True, False),
+    ("fp32", "bf16", 512, False, False, True),
+    ("bf16", "bf16", 512, True, False, True),
 ]
 
 
-def _aot_compile(fn, ptr_types, constexprs, num_warps, num_stages=1):
-    """Compiles `fn` for sm_90 as the JIT would specialise a typical call: pointers and the
-    row strides of Q/K/V/mask (`s*0..2`) divisible by 16, so loads vectorise and Triton
-    pipelines the key loops (without these attributes it pipelines nothing)."""
-    import inspect
+def _spec(qt, kvt, D, mask_float, softcap, skip, block_m=None):
+    from torch_tree_attn import triton_compile as tc
+    from torch_tree_attn import triton_heuristics as heur
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from torch_tree_attn.triton_backend import FP_FUSION  # the launcher's option
-
-    sig, attrs = {}, {}
-    for index, (name, param) in enumerate(inspect.signature(fn.fn).parameters.items()):
-        if "constexpr" in str(param.annotation):
-            sig[name] = "constexpr"
-        elif name in ptr_types:
-            sig[name] = ptr_types[name]
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name in ("scale_abs", "softcap"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if name[:2] in ("sq", "sk", "sv", "sm") and name[-1] in "012":
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION))
+    plan = heur.choose(D, qt != "fp32", 4096, 1, 100, 64, 132)
+    spec = dict.fromkeys(tc.SPEC_FIELDS, 0)
+    spec.update(kind=tc.MAIN, arch=90, q_dtype=tc.DTYPE_CODES[qt], kv_dtype=tc.DTYPE_CODES[kvt], head_dim=D,
+                block_m=block_m or plan.block_m, block_n=plan.block_n, block_d=plan.block_d, window_n=plan.window_n,
+                num_warps=plan.num_warps, num_stages=plan.num_stages, mask_float=int(mask_float),
+                softcap=int(softcap), skip_unseen=int(skip), aligned=1)
+    return spec
 
 
 @needs_triton
 @pytest.mark.parametrize("variant", AOT_VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_kernels_compile_for_sm90(variant):
     pytest.importorskip("triton.backends.nvidia")
+    from torch_tree_attn import triton_compile as tc
     from torch_tree_attn import triton_heuristics as heur
-    from torch_tree_attn import triton_backend as tb
 
-    qt, kvt, D, split, mask_float, sinks, softcap = variant
-    half = qt != "fp32"
-    plan = heur.choose(D, half, 4096, 1, 100, 64, 132)
-    bm, bn, warps, stages = plan.block_m, plan.block_n, plan.num_warps, plan.num_stages
-    ptrs = dict(Q=f"*{qt}", K=f"*{kvt}", V=f"*{kvt}", MASK="*fp32" if mask_float else "*u8", OFF="*i32", SINK="*fp32",
-                OUT=f"*{qt}", LSE="*fp32", PO="*fp32", PM="*fp32", PL="*fp32")
-    const = dict(D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=heur._next_pow2(D), WINDOW_N=plan.window_n, SPLIT=split, HAS_OFF=True, HAS_SINK=sinks,
-                 MASK_FLOAT=mask_float, HAS_SOFTCAP=softcap, HALF_DOT=half, UPCAST=False,
-                 SKIP_UNSEEN=D == 512)
+    spec = _spec(*variant)
     try:
-        kernel = _aot_compile(tb._tree_attn_main, ptrs, const, warps, stages)
+        kernel = tc.compile_spec(spec)
     except RuntimeError as e:
         if "ptxas" in str(e).lower() and "not found" in str(e).lower():
             pytest.skip(f"no ptxas: {e}")
         raise
-    assert kernel.asm.get("cubin"), "no cubin produced"
-    if stages > 1:
+    binary = tc.binary_of(kernel)
+    assert binary.cubin and binary.function == "_tree_attn_main" and binary.num_warps == spec["num_warps"]
+    if spec["num_stages"] > 1:
         # The key loops are software-pipelined (asynchronous copies into shared memory).
         ttgir = kernel.asm["ttgir"]
         assert "async_copy" in ttgir or "async_tma" in ttgir, "the key loops are not pipelined"
-    if split:
-        reduce_ptrs = dict(PO="*fp32", PM="*fp32", PL="*fp32", SINK="*fp32", OUT=f"*{qt}", LSE="*fp32")
-        _aot_compile(tb._tree_attn_reduce, reduce_ptrs,
-                     dict(D=D, BLOCK_R=heur.reduce_block(heur._next_pow2(D)), BLOCK_D=heur._next_pow2(D),
-                          CHUNK=heur.REDUCE_CHUNK, HAS_SINK=sinks), 4)
+    reduce_spec = dict(spec, kind=tc.REDUCE, kv_dtype=0, block_m=0, block_n=0, window_n=0, mask_float=0, softcap=0,
+                       skip_unseen=0, block_r=heur.reduce_block(spec["block_d"]), chunk=heur.REDUCE_CHUNK,
+                       num_warps=heur.REDUCE_WARPS, num_stages=1)
+    assert tc.binary_of(tc.compile_spec(reduce_spec)).function == "_tree_attn_reduce"

@@ -14,14 +14,9 @@ from .ops import tree_attention
 
 
 def _register_cuda_backend() -> None:
-    """The CUDA kernels are Triton (torch_tree_attn/triton_backend.py): registered only
-    where CUDA is available and triton importable; CPU installs never need triton."""
-    if not torch.cuda.is_available():
-        return
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return
+    """The CUDA op is C++ (csrc/cuda/, registered with the extension); this registers its
+    prebuilt kernels and its compile-once fallback (torch_tree_attn/triton_backend.py).
+    Reads a small manifest; imports no triton; touches no GPU."""
     from . import triton_backend
 
     triton_backend.register()

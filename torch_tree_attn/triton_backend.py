@@ -1,422 +1,144 @@
-"""The CUDA backend: Triton kernels for tree_attn::forward and tree_attn::forward_with_lse.
+"""The CUDA backend's Python side: the prebuilt kernels' registration, the compile-once
+fallback, and the interpreter launcher.
 
-Validation is the product's one C++ prepare() (``_C._prepare``, with in-kernel offset
-clamping: offsets are never read on the host, so a call never syncs and is capturable in
-a CUDA graph). This module only launches.
+The CUDA op itself is C++ (csrc/cuda/): prepare, plan, kernel lookup and cuLaunchKernel on
+the current stream, with no Python per call. What this module adds:
 
-- ``forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)``: the
-  op's semantics, directly callable; under ``TRITON_INTERPRET=1`` (set before triton is
-  imported) it runs on CPU tensors.
-- ``register()``: registers the two ops' CUDA kernels (``torch.library.register_kernel``);
-  ``torch_tree_attn/__init__.py`` calls it when CUDA is available and triton importable.
-
-Two kernels (README, "The CUDA kernels"): the main pass (one program per (row block of a
-kv head, batch row x kv head, key split)) and, only when the keys are split, a reduce pass
-that merges the splits' partials by their LSE. Tile/split choices: triton_heuristics.py.
+- ``register()`` (called when the package is imported): registers the prebuilt cubins of
+  ``torch_tree_attn/kernels/manifest.json`` (built by setup.py, csrc/cuda/build_kernels.py)
+  with the C++ registry, which loads each at its first use, and installs the run-time
+  compiler for a kernel spec the table lacks (another GPU architecture, a float32 query, an
+  unaligned or 64-bit-strided call...): ``compile_for_launcher``, which Triton compiles
+  once per process (and caches on disk). Without triton installed, prebuilt kernels still
+  run; a spec outside the table then raises, naming it.
+- ``forward_with_lse(...)``: the op's semantics with the plan's splits or tiles overridden
+  (tests, tuning): on CUDA tensors through the C++ launcher, on CPU tensors under
+  ``TRITON_INTERPRET=1`` (set before triton is imported) through Triton's interpreter,
+  with the same plan and the same kernel arguments as the C++ launcher passes.
 """
+import json
 import os
+import pathlib
 from typing import Optional, Tuple
 
 import torch
-import triton
-import triton.language as tl
 
 from . import _C
-from . import triton_heuristics as heur
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
-LN2 = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
-# Multiply-adds contracted into FMAs (each prefix exponent is one FMA) whatever triton's
-# default, which 3.9 announces will turn to no contraction in 3.10. The kernels' NaN/inf
-# handling does not depend on it (see _not_finite).
-FP_FUSION = True
+KERNELS_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
+MANIFEST = KERNELS_DIR / "manifest.json"
+INTERPRETER_SMS = 4   # a small pretend GPU under the interpreter: long key ranges split
 
 
-@triton.jit
-def _tanh(x):
-    # tanh from exp (no libdevice, so the interpreter runs it too): odd, saturates to +-1.
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+def compile_for_launcher(spec: dict) -> tuple:
+    """The C++ registry's compiler hook: (cubin, function, shared, num_warps, scratch_args)."""
+    try:
+        from . import triton_compile
+    except ImportError as e:   # triton missing
+        raise RuntimeError(f"tree_attn: no prebuilt CUDA kernel fits this call ({spec}) and triton, which would "
+                           f"compile one, is not importable: {e}. pip install 'triton>=3.6'.") from e
+    b = triton_compile.binary_of(triton_compile.compile_spec(spec))
+    return b.cubin, b.function, b.shared, b.num_warps, b.scratch_args
 
 
-@triton.jit
-def _not_finite(x):
-    """NaN or +-inf, elementwise. Not `x - x != 0`: the compiler contracts `y*c - y*c` of a
-    scaled score into an FMA, whose exact rounding error is nonzero for finite values."""
-    return ~(tl.abs(x) < float("inf"))
-
-
-@triton.jit
-def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation. HALF_DOT: a is rounded to b's float16/bfloat16 (the
-    probabilities P before P.V; a no-op for the query) and the product runs on tensor
-    cores; otherwise IEEE float32 (no TF32; half K/V under a float32 query are upcast).
-    UPCAST (interpreter only, whose numpy has no bfloat16 matmul) computes the half
-    product exactly in float32 from the same rounded operands."""
-    if HALF_DOT:
-        a = a.to(b.dtype)
-        if not UPCAST:
-            return tl.dot(a, b)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-
-
-@triton.jit
-def _online_softmax_step(s, c, v, m_i, l_i, acc, ALL_SEEN: tl.constexpr, HALF_DOT: tl.constexpr,
-                         UPCAST: tl.constexpr):
-    """One key tile into the running state (m_i, l_i, acc) of each row. The tile's scores
-    in log2 units are s * c (c >= 0 a scalar), so a prefix tile passes its raw Q.K^T and
-    c = |scale| * log2(e): the max is taken on the raw scores and each exponent is one FMA,
-    exp2(s * c - m). m_i is kept in log2 units.
-
-    ALL_SEEN (prefix tiles): every row sees every key, so a non-finite score must poison its
-    row, and it does so by propagation, at one FMA per score: p + 0 * s is p for a finite s
-    and NaN for NaN or +-inf, so l_i (and the row's acc) become NaN and stay NaN, and the
-    epilogue's finiteness test of l_i and acc poisons the row. The max needs no care: a
-    NaN or +inf there only changes a row that is poisoned anyway.
-    Otherwise (window tiles) unseen entries are -inf by selection and p is exactly 0 there;
-    an entry the row sees is NaN where it must poison (the caller's selection). A row that
-    has seen no key keeps m = -inf and subtracts 0, so every exponent is exp2(-inf) = 0,
-    never NaN; s * c - m <= 0 cannot overflow."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * c)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * c - m_use[:, None])
-    if ALL_SEEN:
-        p = p + s * 0.0
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p, v, HALF_DOT, UPCAST)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, HAS_SINK: tl.constexpr):
-    """(out float32 [rows, D], lse [rows], natural log) of rows whose online softmax state,
-    with m_i in log2 units, is (acc, m_i, l_i): sinks join here, poisoned rows become NaN,
-    rows that see no key give 0 and lse -inf (or their sink, exactly)."""
-    seen_any = l_i > 0
-    keys_lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + h, mask=row_ok, other=float("-inf"))
-        poison = poison | ((sink != sink) | (sink == float("inf"))).to(tl.int32)
-        sink_f = tl.where(sink == sink, sink * LOG2E, float("-inf"))
-        hi = tl.maximum(keys_lse, sink_f)
-        lo = tl.minimum(keys_lse, sink_f)
-        hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
-        lse = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log2(1.0 + tl.exp2(lo - hi_safe)))
-        lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-        weight = tl.where(seen_any, tl.exp2(m_i - lse_safe), 0.0)
-        # A row that sees no key: lse is the sink exactly.
-        lse = tl.where(seen_any, lse * LN2, sink)
-    else:
-        weight = tl.where(seen_any, 1.0 / tl.where(seen_any, l_i, 1.0), 0.0)
-        lse = keys_lse * LN2
-    out = acc * weight[:, None]
-    bad = poison != 0
-    out = tl.where(bad[:, None], float("nan"), out)
-    lse = tl.where(bad, float("nan"), lse)
-    return out, lse
-
-
-# Sizes vary from call to call: not specialised (fewer compilations); strides stay
-# specialised (alignment of the K/V rows matters for vector loads).
-@triton.jit(do_not_specialize=["Hkv", "G", "T", "S", "M", "R", "total_rows", "num_splits", "window_units"])
-def _tree_attn_main(
-    Q, K, V, MASK, OFF, SINK, OUT, LSE, PO, PM, PL,
-    sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, sm0, sm1, sm2, sm3,
-    Hkv, G, T, S, M, R, total_rows, num_splits, window_units,
-    scale_abs, softcap,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WINDOW_N: tl.constexpr, SPLIT: tl.constexpr, HAS_OFF: tl.constexpr, HAS_SINK: tl.constexpr,
-    MASK_FLOAT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr,
-    SKIP_UNSEEN: tl.constexpr,
-):
-    """Main pass. A program owns BLOCK_M rows of one (batch row b, kv head) -- rows r of a
-    kv head are its (query head kvh*G + r // T, tree node r % T) pairs -- and one key split.
-    Keys [0, kend), kend = min(off + M, S), from the clamped offset read on the device: the
-    prefix tiles (BLOCK_N keys, entirely below off) and the window (WINDOW_N-key sub-tiles
-    from the last prefix tile's end to kend) are shared out in equal work: the last split
-    runs the window and fewer prefix tiles, none where the window is worth a split of its
-    own (one split: the program does both). Each K/V byte is read once per program covering
-    it, i.e. ceil(G*T / BLOCK_M) times per call; the mask is read only in the window, once
-    per program.
-
-    Prefix tiles run unmasked. Window sub-tiles load the mask, K and V at the top of the
-    loop (so the pipeliner can prefetch them), with bounds masks (other=0) so no slot >=
-    kend is read; with SKIP_UNSEEN they skip the math when no row of the block sees any of
-    their keys. What a row does not see is excluded by selection (tl.where), never by
-    arithmetic. Non-finite values poison by propagation everywhere: in the prefix through
-    p + 0 * s (every row sees every key), in the window through a term that is NaN exactly
-    where a row sees a key with a non-finite raw score, bias or V row (window V rows are
-    zeroed before P.V so their NaN cannot reach rows that don't see them); at the end a
-    non-finite l_i or accumulator poisons the row.
-
-    Q is the query times sign(scale) (the launcher negates it, exactly, for a negative
-    scale), so raw scores times |scale| are the scaled scores and a prefix tile's max can
-    be taken before scaling. Q is loaded once and never modified: Triton then feeds the
-    tensor cores from it without a per-tile reload."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    split = tl.program_id(2)
-    b = (bh // Hkv).to(tl.int64)
-    kvh = (bh % Hkv).to(tl.int64)
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < R
-    g = rows // T
-    i = rows % T
-    h = kvh * G + g                      # int64 query head per row
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-
-    q = tl.load(Q + b * sq0 + h[:, None] * sq1 + i[:, None].to(tl.int64) * sq2 + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if not HALF_DOT:
-        q = q.to(tl.float32)
-
-    if HAS_OFF:
-        off = tl.load(OFF + b).to(tl.int64)
-        off = tl.minimum(tl.maximum(off, 0), S)
-    else:
-        off = b * 0                      # int64 scalar 0
-    kend = tl.minimum(off + M, S)
-    n_prefix = off // BLOCK_N            # tiles entirely inside the prefix [0, off)
-    # Balanced splits: the prefix tiles and the window (window_units tiles' worth, the
-    # launcher's estimate) in equal shares; the last split takes the window and what is
-    # left of the prefix (an empty range where the window is a share of its own).
-    per_split = tl.cdiv(n_prefix + window_units, num_splits)
-    p_lo = split * per_split
-    p_hi = tl.where(split == num_splits - 1, n_prefix, tl.minimum(p_lo + per_split, n_prefix))
-    SUB: tl.constexpr = BLOCK_N // WINDOW_N
-    w_lo = n_prefix * SUB                # window sub-tiles [w_lo, w_hi)
-    w_hi = tl.where(split == num_splits - 1, tl.cdiv(kend, WINDOW_N), w_lo)
-
-    k_base = K + b * sk0 + kvh * sk1
-    v_base = V + b * sv0 + kvh * sv1
-    m_base = MASK + b * sm0 + h[:, None] * sm1 + i[:, None].to(tl.int64) * sm2
-
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    c = scale_abs * LOG2E
-
-    # --- prefix tiles: every key < off <= S, every row sees every key ------------------
-    # Addresses: an int64 scalar base per tile plus int32 offsets inside it (the launcher
-    # checks BLOCK_N * key-row stride fits int32), so a tile's pointers cost no 64-bit
-    # arithmetic per element.
-    n_ar = tl.arange(0, BLOCK_N)
-    k_in_tile = n_ar[:, None] * sk2 + d[None, :]
-    v_in_tile = n_ar[:, None] * sv2 + d[None, :]
-    for t in range(p_lo.to(tl.int32), p_hi.to(tl.int32)):
-        key0 = tl.cast(t, tl.int64) * BLOCK_N
-        k = tl.load(k_base + key0 * sk2 + k_in_tile, mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_base + key0 * sv2 + v_in_tile, mask=d_ok[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
-        if HAS_SOFTCAP:
-            # tanh saturates an infinite raw score: 0 * raw keeps it poisoning (NaN).
-            s = s * scale_abs
-            s = softcap * _tanh(s / softcap) + s * 0.0
-            m_i, l_i, acc = _online_softmax_step(s, LOG2E, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
-        else:
-            m_i, l_i, acc = _online_softmax_step(s, c, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
-
-    # --- window sub-tiles: keys [n_prefix * BLOCK_N, kend), the mask decides -------------
-    # WINDOW_N keys at a time: the mask and its selections are [BLOCK_M, WINDOW_N], which
-    # keeps the kernel's register peak at the prefix loop's.
-    w_ar = tl.arange(0, WINDOW_N)
-    kw_in_tile = w_ar[:, None] * sk2 + d[None, :]
-    vw_in_tile = w_ar[:, None] * sv2 + d[None, :]
-    for u in range(w_lo, w_hi):
-        key0 = tl.cast(u, tl.int64) * WINDOW_N
-        keys = key0 + w_ar
-        in_range = keys < kend
-        in_win = (keys >= off) & in_range
-        col = keys - off
-        win2 = row_ok[:, None] & in_win[None, :]
-        kv_ok = in_range[:, None] & d_ok[None, :]
-        k = tl.load(k_base + key0 * sk2 + kw_in_tile, mask=kv_ok, other=0.0)
-        v = tl.load(v_base + key0 * sv2 + vw_in_tile, mask=kv_ok, other=0.0)
-        if MASK_FLOAT:
-            bias = tl.load(m_base + col[None, :] * sm3, mask=win2, other=float("-inf"))
-            seen_w = win2 & (bias != float("-inf"))         # a NaN bias is seen
-        else:
-            mb = tl.load(m_base + col[None, :] * sm3, mask=win2, other=0)
-            seen_w = win2 & (mb != 0)
-        seen = seen_w | (row_ok[:, None] & (keys < off)[None, :])
-        # SKIP_UNSEEN: skip the math of a sub-tile no row of the block sees. The branch
-        # stops Triton from pipelining this loop, so it is compiled in only where such
-        # sub-tiles are expected (the launcher's choice); otherwise an unseen sub-tile's
-        # probabilities are exactly 0 by selection.
-        if not SKIP_UNSEEN or tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
-            s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * scale_abs
-            # Poison by propagation, as in the prefix, but only through what a row sees:
-            # z is NaN where a key's raw score, V row or (seen) bias is not finite, else 0;
-            # it joins the exponent of the entries a row sees (the selection below).
-            v_nan = tl.sum(v.to(tl.float32) * 0.0, axis=1)          # per key: 0, or NaN
-            z = s * 0.0 + v_nan[None, :]
-            if MASK_FLOAT:
-                bias = tl.where(seen_w, bias, 0.0)
-                z = z + bias * 0.0
-            if HAS_SOFTCAP:
-                s = softcap * _tanh(s / softcap)
-            if MASK_FLOAT:
-                s = s + bias
-            s = tl.where(seen, s + z, float("-inf"))
-            # A V row that is not finite is zeroed: 0 * NaN must not reach the rows that
-            # don't see it (those that do are poisoned through z).
-            v = tl.where((v_nan != 0.0)[:, None], 0.0, v).to(v.dtype)
-            m_i, l_i, acc = _online_softmax_step(s, LOG2E, v, m_i, l_i, acc, False, HALF_DOT, UPCAST)
-
-    # Every non-finite value a row sees has reached its l_i (a score, bias or window V row,
-    # through p) or its acc (a prefix V row, through P.V, also as 0 * NaN): it poisons here.
-    poison = _not_finite(l_i).to(tl.int32) | tl.max(_not_finite(acc).to(tl.int32), axis=1)
-    flat = bh.to(tl.int64) * R + rows    # row of the [B, Hq, T] output, = (b*Hkv + kvh)*R + r
-    io_mask = row_ok[:, None] & d_ok[None, :]
-    if not SPLIT:
-        out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, HAS_SINK)
-        tl.store(OUT + flat[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
-        tl.store(LSE + flat, lse, mask=row_ok)
-    else:
-        part = split.to(tl.int64) * total_rows + flat
-        tl.store(PO + part[:, None] * D + d[None, :], acc, mask=io_mask)
-        tl.store(PM + part, tl.where(poison != 0, float("nan"), m_i), mask=row_ok)
-        tl.store(PL + part, l_i, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["total_rows", "T", "Hq", "num_splits"])
-def _tree_attn_reduce(
-    PO, PM, PL, SINK, OUT, LSE, total_rows, T, Hq, num_splits,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_SINK: tl.constexpr,
-):
-    """Reduce pass (only when the keys are split): a program owns BLOCK_R output rows and
-    merges their num_splits partials (unnormalised O, max m in log2 units, sum l; m = NaN
-    marks a poisoned split) by an online rescale, in split order: deterministic, no
-    atomics. Reads each partial once. The split loop is unrolled CHUNK at a time, so a
-    chunk's loads are in flight together (one memory latency per chunk, not per split);
-    few rows per program make many programs."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    row_ok = rows < total_rows
-    d = tl.arange(0, BLOCK_D)
-    io_mask = row_ok[:, None] & (d < D)[None, :]
-    m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-    poison = tl.zeros((BLOCK_R,), dtype=tl.int32)
-    for c0 in range(0, num_splits, CHUNK):
-        for j in tl.static_range(CHUNK):
-            sp = rows * 0 + (c0 + j)                                   # the split, per row
-            part = sp * total_rows + rows
-            ok = row_ok & (sp < num_splits)
-            m_s = tl.load(PM + part, mask=ok, other=float("-inf"))
-            l_s = tl.load(PL + part, mask=ok, other=0.0)
-            o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=ok[:, None] & io_mask, other=0.0)
-            poison = poison | (m_s != m_s).to(tl.int32)
-            m_s = tl.where(m_s == m_s, m_s, float("-inf"))
-            m_new = tl.maximum(m_i, m_s)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a_old = tl.exp2(m_i - m_use)
-            a_new = tl.exp2(m_s - m_use)                               # 0: empty or poisoned split
-            l_i = l_i * a_old + l_s * a_new
-            acc = acc * a_old[:, None] + o_s * a_new[:, None]
-            m_i = m_new
-    h = (rows // T) % Hq
-    out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, HAS_SINK)
-    tl.store(OUT + rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
-    tl.store(LSE + rows, lse, mask=row_ok)
-
-
-def _strides(t: torch.Tensor) -> list:
-    """Element strides as the kernels take them (0 along a dimension of size 1), like prepare()'s."""
-    return [0 if t.size(i) == 1 else t.stride(i) for i in range(t.dim())]
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return heur.sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return heur.INTERPRETER_SMS
-
-
-def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None, *,
-                     num_splits: Optional[int] = None, config: Optional[tuple] = None
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The op's semantics (README, "The op contract") on CUDA tensors, or on CPU tensors under
-    TRITON_INTERPRET=1. `num_splits` / `config` ((BLOCK_M, BLOCK_N, num_warps, num_stages))
-    override triton_heuristics (tests, tuning). Never syncs with the device."""
-    q, k, v, mask, off, sk, ints, scale_f, cap = _C._prepare(query, key, value, mask, mask_offset, scale,
-                                                             softcap, sinks)
-    B, Hq, Hkv, G, T, S, D, M, mask_float = ints[:9]
-    sq, skk, sv, sm = ints[9:13], ints[13:17], ints[17:21], ints[21:25]
-    device = q.device
-    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=device)
-    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=device)
-    if B == 0 or Hq == 0 or T == 0:
-        return out, lse
-    R = G * T
-    total_rows = B * Hq * T
-    if scale_f < 0:                      # the kernels take |scale| and Q * sign(scale)
-        q = torch.neg(q)                 # exact
-        sq = _strides(q)
-    half_dot = q.dtype != torch.float32
-    plan = heur.choose(D, half_dot, R, B * Hkv, S, M, _num_sms(device), num_splits=num_splits, config=config)
-    # The kernel addresses inside a key tile with int32 offsets (n * key-row stride + d).
-    # A cache whose key rows lie too far apart for that is read from a contiguous copy.
-    if (plan.block_n - 1) * max(skk[2], sv[2]) + plan.block_d >= 2**31:
-        k, v = k.contiguous(), v.contiguous()
-        skk, sv = _strides(k), _strides(v)
-    # Empty tensors may have no valid address; they are never dereferenced (no key, no window).
-    dummy = out
-    if not mask_float:
-        mask = mask.view(torch.uint8)
-    mask_arg = mask if mask.numel() > 0 else dummy
-    k_arg = k if k.numel() > 0 else dummy
-    v_arg = v if v.numel() > 0 else dummy
-    if plan.num_splits > 1:
-        po = torch.empty((plan.num_splits, total_rows, D), dtype=torch.float32, device=device)
-        pm = torch.empty((plan.num_splits, total_rows), dtype=torch.float32, device=device)
-        pl = torch.empty((plan.num_splits, total_rows), dtype=torch.float32, device=device)
-    else:
-        po = pm = pl = lse
-    grid = (plan.row_blocks, B * Hkv, plan.num_splits)
-    _tree_attn_main[grid](
-        q, k_arg, v_arg, mask_arg, off if off is not None else dummy, sk if sk is not None else dummy,
-        out, lse, po, pm, pl,
-        sq[0], sq[1], sq[2], skk[0], skk[1], skk[2], sv[0], sv[1], sv[2], sm[0], sm[1], sm[2], sm[3],
-        Hkv, G, T, S, M, R, total_rows, plan.num_splits, plan.window_units,
-        abs(scale_f), cap if cap is not None else 1.0,
-        D=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, WINDOW_N=plan.window_n,
-        SPLIT=plan.num_splits > 1, HAS_OFF=off is not None, HAS_SINK=sk is not None,
-        MASK_FLOAT=bool(mask_float), HAS_SOFTCAP=cap is not None, HALF_DOT=half_dot,
-        UPCAST=INTERPRETING, SKIP_UNSEEN=plan.skip_unseen(T, M), num_warps=plan.num_warps,
-        num_stages=plan.num_stages, enable_fp_fusion=FP_FUSION,
-    )
-    if plan.num_splits > 1:
-        block_r = heur.reduce_block(plan.block_d)
-        _tree_attn_reduce[(triton.cdiv(total_rows, block_r),)](
-            po, pm, pl, sk if sk is not None else dummy, out, lse, total_rows, T, Hq, plan.num_splits,
-            D=D, BLOCK_R=block_r, BLOCK_D=plan.block_d, CHUNK=heur.REDUCE_CHUNK, HAS_SINK=sk is not None,
-            num_warps=4, enable_fp_fusion=FP_FUSION,
-        )
-    return out, lse
-
-
-def forward(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None) -> torch.Tensor:
-    return forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)[0]
-
-
-def _forward_with_lse_op(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
-    return forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)
+def load_manifest(path: pathlib.Path = MANIFEST) -> list:
+    """The prebuilt kernels' entries ({"spec", "file", "function", "shared", "num_warps",
+    "scratch_args"}), or [] where none were built."""
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        manifest = json.load(f)
+    fields = tuple(_C.cuda_spec_fields())
+    if tuple(manifest.get("spec_fields", ())) != fields:
+        raise RuntimeError(f"{path}: built for kernel spec fields {manifest.get('spec_fields')}, this build has "
+                           f"{fields}: rebuild the package (pip install --no-build-isolation -e .)")
+    return manifest["kernels"]
 
 
 _registered = False
 
 
 def register() -> None:
-    """Registers forward/forward_with_lse as the ops' CUDA kernels (idempotent)."""
+    """Registers the prebuilt kernels and the run-time compiler with the C++ registry
+    (idempotent)."""
     global _registered
     if _registered:
         return
-    torch.library.register_kernel("tree_attn::forward", "cuda", forward)
-    torch.library.register_kernel("tree_attn::forward_with_lse", "cuda", _forward_with_lse_op)
+    for entry in load_manifest():
+        _C.cuda_register_kernel(entry["spec"], b"", str(KERNELS_DIR / entry["file"]), entry["function"],
+                                entry["shared"], entry["num_warps"], entry["scratch_args"], True)
+    _C.cuda_set_compiler(compile_for_launcher)
     _registered = True
+
+
+def _interpret(query, key, value, mask, mask_offset, scale, softcap, sinks, num_splits, config):
+    """The C++ launcher's two launches, in Python, for Triton's interpreter (CPU tensors)."""
+    from . import triton_kernels as tk
+
+    prepared = _C._prepare(query, key, value, mask, mask_offset, scale, softcap, sinks)
+    pb = prepared.problem
+    q, k, v, m = prepared.query, prepared.key, prepared.value, prepared.mask
+    out = torch.empty((pb.B, pb.Hq, pb.T, pb.D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((pb.B, pb.Hq, pb.T), dtype=torch.float32, device=q.device)
+    if pb.empty:
+        return out, lse
+    plan, spec, reduce_spec = _C.cuda_plan_launch(query, key, value, mask, mask_offset, scale, softcap, sinks,
+                                                  arch=90, num_sms=INTERPRETER_SMS, num_splits=num_splits,
+                                                  config=list(config) if config is not None else None)
+    if pb.scale < 0:
+        q = torch.neg(q)
+    if (plan.block_n - 1) * max(pb.k_stride[2], pb.v_stride[2]) + plan.block_d >= 2**31:
+        k, v = k.contiguous(), v.contiguous()
+
+    def strides(t):
+        return [0 if t.size(i) == 1 else t.stride(i) for i in range(3)]
+
+    R, total_rows = pb.G * pb.T, pb.B * pb.Hq * pb.T
+    dummy = out
+    off = prepared.offsets
+    off_kind = 0 if off is None else (2 if off.dtype == torch.int64 else 1)
+    split = plan.num_splits > 1
+    if split:
+        po = torch.empty((plan.num_splits, total_rows, pb.D), dtype=torch.float32, device=q.device)
+        pm = torch.empty((plan.num_splits, total_rows), dtype=torch.float32, device=q.device)
+        pl = torch.empty((plan.num_splits, total_rows), dtype=torch.float32, device=q.device)
+    else:
+        po = pm = pl = lse
+    sink = prepared.sinks if prepared.sinks is not None else dummy
+    tk._tree_attn_main[(plan.row_blocks, pb.B * pb.Hkv, plan.num_splits)](
+        q, k if k.numel() else dummy, v if v.numel() else dummy,
+        (m if pb.mask_float else m.view(torch.uint8)) if m.numel() else dummy,
+        off if off is not None else dummy, sink, out, lse, po, pm, pl,
+        *strides(q), *strides(k), *strides(v), *pb.mask_stride,
+        pb.Hkv, pb.G, pb.T, pb.S, pb.M, R, total_rows, plan.num_splits, plan.window_units, off_kind,
+        int(pb.has_sinks), abs(pb.scale), pb.softcap if pb.softcap is not None else 1.0,
+        D=pb.D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, WINDOW_N=plan.window_n,
+        MASK_FLOAT=bool(spec["mask_float"]), HAS_SOFTCAP=bool(spec["softcap"]), HALF_DOT=spec["q_dtype"] != 0,
+        UPCAST=True, SKIP_UNSEEN=bool(spec["skip_unseen"]), num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if split:
+        block_r = reduce_spec["block_r"]
+        tk._tree_attn_reduce[(-(-total_rows // block_r),)](
+            po, pm, pl, sink, out, lse, total_rows, pb.T, pb.Hq, plan.num_splits, int(pb.has_sinks),
+            D=pb.D, BLOCK_R=block_r, BLOCK_D=plan.block_d, CHUNK=reduce_spec["chunk"], num_warps=4,
+        )
+    return out, lse
+
+
+def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None, *,
+                     num_splits: Optional[int] = None, config: Optional[tuple] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The op's semantics with the plan overridden: `num_splits` key splits, `config` =
+    (BLOCK_M, BLOCK_N, num_warps, num_stages[, WINDOW_N]) tiles. CUDA tensors go through
+    the C++ launcher; CPU tensors need TRITON_INTERPRET=1. Never syncs with the device."""
+    if query.device.type == "cuda":
+        return _C.cuda_forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks,
+                                        num_splits=num_splits, config=list(config) if config is not None else None)
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError("triton_backend.forward_with_lse: CPU tensors run only under TRITON_INTERPRET=1 "
+                           f"(set before triton is imported); got query on {query.device}")
+    return _interpret(query, key, value, mask, mask_offset, scale, softcap, sinks, num_splits, config)
+
+
+def forward(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None) -> torch.Tensor:
+    return forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)[0]

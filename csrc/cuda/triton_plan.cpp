@@ -1,0 +1,109 @@
+#include "cuda/triton_plan.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace tree_attn::triton {
+namespace {
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct TableRow {
+  int64_t D;
+  bool half;
+  TileConfig config;
+};
+
+#define half true
+#define f32 false
+#define TREE_ATTN_TILE(D, kind, bm, bn, warps, stages, wn) {D, kind, {bm, bn, warps, stages, wn}},
+constexpr TableRow kTable[] = {
+#include "cuda/tile_configs.def"
+};
+#undef TREE_ATTN_TILE
+#undef half
+#undef f32
+
+}  // namespace
+
+int next_pow2(int64_t x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+TileConfig table_config(int64_t D, bool half_dot) {
+  for (const auto& row : kTable)
+    if (row.D == D && row.half == half_dot) return row.config;
+  TORCH_CHECK_VALUE(false, "no Triton tile configuration for head dim D=", D, " (", half_dot ? "half" : "float32",
+                    " dot)");
+}
+
+bool skip_unseen(int64_t T, int64_t M, int block_m, int window_n) { return T > block_m || M >= T + window_n; }
+
+double window_tiles(int64_t M, int block_n, int window_n) {
+  if (M <= 0) return 0.0;
+  const double sub_tiles = double(cdiv(M, window_n)) + double(block_n / window_n - 1) / 2.0;
+  return sub_tiles * window_n / block_n * kWindowCostFactor;
+}
+
+int reduce_block(int block_d) { return std::max(1, kReduceElems / block_d); }
+
+int programs_per_sm(int num_warps) {
+  return std::max(1, kRegistersPerSm / (num_warps * 32 * kRegistersPerThread));
+}
+
+double makespan(int64_t tiles, double window, int64_t programs, int num_sms, int splits, int per_sm) {
+  const int64_t waves = cdiv(programs * splits, int64_t(num_sms) * per_sm);
+  const double cost = double(waves) * (std::ceil((double(tiles) + window) / splits) + kProgramOverheadTiles);
+  return cost + (splits > 1 ? kReduceCostTiles + splits * kReduceCostPerSplit : 0.0);
+}
+
+int choose_splits(int64_t tiles, double window, int64_t programs, int num_sms, int per_sm) {
+  if (programs >= int64_t(num_sms) * per_sm || tiles == 0) return 1;
+  int best = 1;
+  double best_cost = makespan(tiles, window, programs, num_sms, 1, per_sm);
+  const int64_t last = std::min<int64_t>(kMaxSplits, tiles + 1);
+  for (int s = 2; s <= last; ++s) {
+    const double cost = makespan(tiles, window, programs, num_sms, s, per_sm);
+    if (cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
+Plan choose(int64_t D, bool half_dot, int64_t T, int64_t rows_per_head, int64_t batch_heads, int64_t S, int64_t M,
+            int num_sms, std::optional<int> num_splits, std::optional<TileConfig> config) {
+  TileConfig c = config ? *config : table_config(D, half_dot);
+  if (config && c.window_n == 0) c.window_n = std::min(kWindowN, c.block_n);
+  TORCH_CHECK_VALUE(c.block_m >= 16 && c.block_n >= 16 && c.num_warps > 0 && c.num_stages > 0 &&
+                        (c.block_m & (c.block_m - 1)) == 0 && (c.block_n & (c.block_n - 1)) == 0,
+                    "config: BLOCK_M and BLOCK_N must be powers of 2 >= 16, num_warps and num_stages positive; got (",
+                    c.block_m, ", ", c.block_n, ", ", c.num_warps, ", ", c.num_stages, ")");
+  TORCH_CHECK_VALUE(c.window_n >= 16 && (c.window_n & (c.window_n - 1)) == 0 && c.block_n % c.window_n == 0,
+                    "config: the window sub-tile must be a power of 2 >= 16 dividing BLOCK_N=", c.block_n, ", got ",
+                    c.window_n);
+  Plan p;
+  // Don't pad a tiny row count up to a large block (tl.dot needs M >= 16).
+  p.block_m = std::max(16, std::min(c.block_m, next_pow2(rows_per_head)));
+  p.block_n = c.block_n;
+  p.block_d = next_pow2(D);
+  p.window_n = c.window_n;
+  p.num_warps = c.num_warps;
+  p.num_stages = c.num_stages;
+  p.row_blocks = cdiv(rows_per_head, p.block_m);
+  p.window_units = int(std::ceil(window_tiles(std::min(M, S), p.block_n, p.window_n)));
+  if (num_splits) {
+    TORCH_CHECK_VALUE(*num_splits >= 1, "num_splits must be >= 1, got ", *num_splits);
+    p.num_splits = *num_splits;
+  } else {
+    p.num_splits = choose_splits(cdiv(std::max<int64_t>(S - M, 0), p.block_n), p.window_units,
+                                 p.row_blocks * batch_heads, num_sms, programs_per_sm(p.num_warps));
+  }
+  p.skip_unseen = skip_unseen(T, M, p.block_m, p.window_n);
+  p.reduce_block_r = reduce_block(p.block_d);
+  return p;
+}
+
+}  // namespace tree_attn::triton

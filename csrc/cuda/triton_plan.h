@@ -1,0 +1,86 @@
+// The launch plan of the CUDA (Triton) kernels: tiles from tile_configs.def, key splits
+// from a makespan model. Pure C++ (no CUDA headers): computed once per call by the C++
+// launcher, and by the interpreter launcher and the tests through _C.triton_plan.
+//
+// A main-kernel program owns BLOCK_M rows of one (batch row, kv head) -- the rows of a kv
+// head are its G x T (query head, tree node) pairs stacked -- and one key split. The grid
+// is (ceil(G*T / BLOCK_M), B * Hkv, num_splits). Each K/V byte is read once per program
+// that covers it: ceil(G*T / BLOCK_M) times in all (from L2 after the first).
+//
+// Key splits (flash decoding), in units of one prefix key tile's work. The window (the
+// masked sub-tiles) costs `window` tiles (kWindowCostFactor per key of a prefix key: the
+// H200 ran a 64-key window in about the time of 12 prefix tiles); the splits share prefix
+// and window in equal work, the last split taking the window:
+//   waves(s) * (ceil((tiles + window) / s) + kProgramOverheadTiles)
+//     + [s > 1] * (kReduceCostTiles + s * kReduceCostPerSplit)
+// with waves(s) = ceil(programs * s / (SMs * programs per SM)); the smallest s reaching
+// the minimum wins. The per-split term is each split's partials written and read back
+// (without it the model chose 33 splits at P=65536 on the H200, 8 measured best). Splits
+// only when the rows alone leave SMs idle; at most kMaxSplits. Offsets are never read on
+// the host, so the model assumes a full cache: a prefix of S - M keys.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+namespace tree_attn::triton {
+
+struct TileConfig {
+  int block_m = 0, block_n = 0, num_warps = 0, num_stages = 0, window_n = 0;
+};
+
+struct Plan {
+  int block_m = 0;       // rows per program (a power of 2 >= 16)
+  int block_n = 0;       // keys per prefix tile
+  int block_d = 0;       // head dims per tile: next power of 2 of D
+  int window_n = 0;      // keys per window sub-tile (divides block_n)
+  int num_warps = 0;
+  int num_stages = 0;
+  int64_t row_blocks = 0;  // programs along a kv head's rows: ceil(G*T / block_m)
+  int num_splits = 1;      // programs along the keys; 1 = no reduce kernel
+  int window_units = 0;    // the window's share of the split work, in prefix tiles
+  bool skip_unseen = false;  // the window loop tests each sub-tile for a row that sees it
+  int reduce_block_r = 0;  // rows per reduce program
+  int64_t kv_reads() const { return row_blocks; }
+};
+
+// Model constants (see above). Programs resident per SM: the kernels use all 255
+// registers a thread may have (ptxas, sm_90a), so registers decide.
+inline constexpr int kRegistersPerSm = 65536;
+inline constexpr int kRegistersPerThread = 255;
+inline constexpr int kWindowN = 16;
+inline constexpr double kProgramOverheadTiles = 2.0;
+inline constexpr double kReduceCostTiles = 4.0;
+inline constexpr double kReduceCostPerSplit = 1.0;
+inline constexpr double kWindowCostFactor = 8.0;
+inline constexpr int kMaxSplits = 64;
+// The reduce kernel: kReduceElems partial elements per split per program (4 warps, 4 per
+// thread), kReduceChunk splits' loads issued together (an unrolled loop).
+inline constexpr int kReduceElems = 512;
+inline constexpr int kReduceChunk = 8;
+inline constexpr int kReduceWarps = 4;
+
+// The table row for (D, dot kind); throws c10::ValueError for a D the table lacks.
+TileConfig table_config(int64_t D, bool half_dot);
+
+// The plan of one call. rows_per_head = G*T, batch_heads = B*Hkv, S the key capacity, M
+// the window (mask columns). `num_splits` / `config` override the model / the table
+// (tests, tuning); a bad override throws c10::ValueError.
+Plan choose(int64_t D, bool half_dot, int64_t T, int64_t rows_per_head, int64_t batch_heads, int64_t S, int64_t M,
+            int num_sms, std::optional<int> num_splits = std::nullopt,
+            std::optional<TileConfig> config = std::nullopt);
+
+// Whether whole window sub-tiles can go unseen by a block (the skip test costs the window
+// loop its software pipelining): in a tree in topological order a node sees only keys up
+// to its own, so only when a block holds part of a tree (T > block_m) or the window is
+// wider than the tree.
+bool skip_unseen(int64_t T, int64_t M, int block_m, int window_n);
+
+double window_tiles(int64_t M, int block_n, int window_n);
+int reduce_block(int block_d);
+int programs_per_sm(int num_warps);
+double makespan(int64_t tiles, double window, int64_t programs, int num_sms, int splits, int per_sm = 1);
+int choose_splits(int64_t tiles, double window, int64_t programs, int num_sms, int per_sm = 1);
+int next_pow2(int64_t x);
+
+}  // namespace tree_attn::triton
