@@ -8,7 +8,8 @@
 # Stages, most valuable first, each under a timeout so the whole run fits in
 # $H200_BUDGET_S seconds (default 570: a 10-minute command limit); what a stage prints goes
 # to $OUT/<stage>.log (OUT defaults to ./h200-results) and a summary to stdout:
-#   install   pip install --no-build-isolation --no-deps -e . (CXX=/opt/gcc/bin/g++ if present)
+#   install   pip install --no-build-isolation --no-deps -e . (CXX=/opt/gcc/bin/g++ if present),
+#             which also compiles the prebuilt kernels (csrc/cuda/build_kernels.py)
 #   core      tests/test_cuda.py except the parity matrix: splits, unused slots, clamped
 #             offsets, no host sync, CUDA graphs, torch.compile, opcheck
 #   parity    tests/test_cuda.py's parity matrix (880 cases), non-finite cases and
@@ -19,6 +20,8 @@
 #   triton    tests/test_triton.py (the interpreter run of the same kernels)
 #   hf        tests/test_hf.py on the GPU (TREE_ATTN_TEST_DEVICE=cuda)
 #   eagle3    examples/eagle3_verify.py --device cuda --check (the built-in pair)
+#   launch    benchmarks/bench_launch.py -> $OUT/launch.{log,json}: eager host cost, first call
+#   e2e       benchmarks/bench_e2e.py --device cuda -> $OUT/e2e.{log,json,png}
 #   tune      benchmarks/tune_cuda.py $TUNE_ARGS -> $OUT/tune.{log,json} (not in the default stages)
 #   suite     builds tests/sim, then the rest of tests/
 set -u
@@ -28,7 +31,7 @@ OUT=${OUT:-$ROOT/h200-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET=${H200_BUDGET_S:-570}
-STAGES=${*:-install core parity hf eagle3 bench triton suite}
+STAGES=${*:-install core launch e2e parity hf eagle3 bench triton suite}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export MAX_JOBS=${MAX_JOBS:-16}
 if [ -z "${CXX:-}" ] && [ -x /opt/gcc/bin/g++ ]; then
@@ -89,6 +92,8 @@ for s in $STAGES; do
     bench)
       stage bench 200 $PY benchmarks/bench_op.py --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png"
       cp "$OUT/bench.log" "$OUT/bench.txt" ;;
+    launch) stage launch 150 $PY benchmarks/bench_launch.py --json "$OUT/launch.json" ;;
+    e2e) stage e2e ${E2E_S:-300} $PY benchmarks/bench_e2e.py --device cuda --json "$OUT/e2e.json" --png "$OUT/e2e.png" ;;
     triton) stage triton 200 $PYTEST tests/test_triton.py ;;
     hf) stage hf 300 env TREE_ATTN_TEST_DEVICE=cuda $PYTEST tests/test_hf.py ;;
     eagle3) stage eagle3 200 $PY examples/eagle3_verify.py --device cuda --check ;;

@@ -78,7 +78,7 @@ def tune(name, x, configs, iters, deadline, results):
         if time.time() > deadline:
             print(f"  ({name}: out of time after {len(rows)} measurements)")
             break
-        plan = heur.choose(x["D"], half, G * x["T"], x["B"] * x["Hkv"], x["P"] + x["T"], x["T"], sms, config=config)
+        plan = heur.choose(x["D"], half, G * x["T"], x["B"] * x["Hkv"], x["P"] + x["T"], x["T"], sms, T=x["T"], config=config)
         for splits in candidate_splits(x, plan.block_n, plan.num_splits):
             try:
                 us, out = time_call(x, config, splits, iters)
@@ -89,7 +89,7 @@ def tune(name, x, configs, iters, deadline, results):
             err = (out[0].float().cpu() - ref).abs().max().item() if ref is not None else None
             rows.append(dict(config=config, splits=splits, us=us, model_splits=plan.num_splits, max_err=err))
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-    current = heur.choose(x["D"], half, G * x["T"], x["B"] * x["Hkv"], x["P"] + x["T"], x["T"], sms)
+    current = heur.choose(x["D"], half, G * x["T"], x["B"] * x["Hkv"], x["P"] + x["T"], x["T"], sms, T=x["T"])
     cur_cfg = (current.block_m, current.block_n, current.num_warps, current.num_stages)
     cur = [r for r in ok if tuple(r["config"]) == cur_cfg and r["splits"] == current.num_splits]
     print(f"{name}: best " + "; ".join(f"{tuple(r['config'])} s={r['splits']} {r['us']:.1f}us" for r in ok[:5]))

@@ -1,10 +1,12 @@
-"""The CUDA backend (Triton kernels, torch_tree_attn/triton_backend.py) on a real GPU.
+"""The CUDA backend (Triton kernels launched from C++, csrc/cuda/) on a real GPU.
 
 Skipped without CUDA (and triton). On the H200: benchmarks/h200.sh runs this file first.
 What it proves beyond tests/test_triton.py (the same kernels under Triton's interpreter):
 that the kernels compile and are right on a GPU for the whole parity matrix, that a call
 never syncs with the host, CUDA-graph capture and replay with new offsets, torch.compile
-without recompiles, and opcheck. References are float64 on the CPU from the same inputs.
+without recompiles, opcheck, the launch on the caller's stream, and that a fresh process
+compiles nothing for a call the prebuilt table covers while one it does not is compiled
+once per process. References are float64 on the CPU from the same inputs.
 """
 import importlib.util
 import os
@@ -45,11 +47,80 @@ def run_cuda(cpu_inputs: dict):
 
 
 def test_registered():
-    from torch_tree_attn import triton_backend
+    from torch_tree_attn import _C, triton_backend
 
     assert triton_backend._registered
     for op in ("tree_attn::forward", "tree_attn::forward_with_lse"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
+    assert triton_backend.load_manifest(), "no prebuilt CUDA kernels: the install did not build them"
+    assert _C.cuda_registry_stats()["prebuilt"] == len(triton_backend.load_manifest())
+
+
+FRESH_PROCESS = r"""
+import json, torch, torch_tree_attn
+from torch_tree_attn import _C
+from tests.cases import Case, args_of, check_against_reference, make_inputs
+cases = [Case(B=1, Hq=32, Hkv=8, T=64, S=1024 + 64, D=128, dtype=torch.bfloat16, seed=1),
+         Case(B=2, Hq=32, Hkv=8, T=60, S=3000, D=128, dtype=torch.float16, seed=2),
+         Case(B=1, Hq=16, Hkv=8, T=48, S=2000, D=256, dtype=torch.bfloat16, mask_kind="float", softcap=50.0, seed=3),
+         Case(B=1, Hq=64, Hkv=8, T=64, S=1500, D=64, dtype=torch.bfloat16, sinks=torch.float32, seed=4)]
+for case in cases:
+    inputs = make_inputs(case)
+    cuda = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+    out, lse = torch.ops.tree_attn.forward_with_lse(*args_of(cuda))
+    check_against_reference(out.cpu(), lse.cpu(), inputs)
+print(json.dumps(_C.cuda_registry_stats()))
+"""
+
+
+def test_fresh_process_compiles_nothing_for_prebuilt_calls():
+    """Llama/Qwen (bf16, fp16, EAGLE's 60-node tree), Gemma 2 (D=256, softcap) and gpt-oss
+    (D=64, sinks) verify calls in a new process: right, and no kernel compiled."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS], cwd=str(root), env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["compiled"] == 0 and stats["loaded"] >= 4, stats
+
+
+def test_fallback_compiles_once_per_process():
+    """A call outside the prebuilt table (float32 query, D=96) is compiled once, then reused."""
+    from torch_tree_attn import _C
+
+    case = Case(B=1, Hq=4, Hkv=2, T=9, S=300, D=96, dtype=torch.float32, seed=11)
+    inputs = make_inputs(case)
+    _, spec, _ = _C.cuda_plan_launch(*args_of(inputs), arch=90, num_sms=132)
+    before = _C.cuda_registry_stats()["compiled"]
+    out, lse = run_cuda(inputs)
+    check_against_reference(out, lse, inputs)
+    after = _C.cuda_registry_stats()["compiled"]
+    assert after <= before + 1
+    out2, _ = run_cuda(inputs)
+    assert _C.cuda_registry_stats()["compiled"] == after and torch.equal(out, out2)
+
+
+def test_launches_on_the_current_stream():
+    """The kernels run on the caller's current stream: work queued on a side stream before
+    the call is seen by it, and the result is ready when that stream is."""
+    case = LONG_CASES[0]
+    inputs = make_inputs(case)
+    cuda = to_cuda(inputs)
+    side = torch.cuda.Stream()
+    q_side = torch.zeros_like(cuda["query"])
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)                      # keep the side stream busy
+        q_side.copy_(cuda["query"])                        # only then is q_side the query
+        cuda_side = dict(cuda, query=q_side)
+        out, lse = ops.forward_with_lse(*args_of(cuda_side))
+    side.synchronize()
+    check_against_reference(out.cpu(), lse.cpu(), inputs)
 
 
 @pytest.mark.parametrize("case", shard(parity_matrix()), ids=str)

@@ -33,10 +33,12 @@ INTERPRETER_SMS = 4   # a small pretend GPU under the interpreter: long key rang
 def compile_for_launcher(spec: dict) -> tuple:
     """The C++ registry's compiler hook: (cubin, function, shared, num_warps, scratch_args)."""
     try:
-        from . import triton_compile
-    except ImportError as e:   # triton missing
+        import triton  # noqa: F401
+    except ImportError as e:
         raise RuntimeError(f"tree_attn: no prebuilt CUDA kernel fits this call ({spec}) and triton, which would "
                            f"compile one, is not importable: {e}. pip install 'triton>=3.6'.") from e
+    from . import triton_compile
+
     b = triton_compile.binary_of(triton_compile.compile_spec(spec))
     return b.cubin, b.function, b.shared, b.num_warps, b.scratch_args
 
@@ -64,7 +66,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    for entry in load_manifest():
+    # TORCH_TREE_ATTN_NO_PREBUILT=1: every kernel through the compile-once fallback
+    # (benchmarks/bench_launch.py's cold-start comparison).
+    prebuilt = os.environ.get("TORCH_TREE_ATTN_NO_PREBUILT", "0") in ("", "0")
+    for entry in load_manifest() if prebuilt else ():
         _C.cuda_register_kernel(entry["spec"], b"", str(KERNELS_DIR / entry["file"]), entry["function"],
                                 entry["shared"], entry["num_warps"], entry["scratch_args"], True)
     _C.cuda_set_compiler(compile_for_launcher)

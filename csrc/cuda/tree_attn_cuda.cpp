@@ -101,14 +101,15 @@ Launch plan_launch(const Prepared& in, int arch, int num_sms, std::optional<int>
   const auto sq = kernel_strides(L.query), sk = kernel_strides(L.key), sv = kernel_strides(L.value);
   const int64_t total_rows = p.B * p.Hq * p.T;
   bool wide = !fits_i32(total_rows) || !fits_i32(p.S);
+  // aligned: Q/K/V row strides and pointers divisible by 16 (triton_compile.py's
+  // specialisation; the mask is not specialised); wide: some size or stride needs int64.
   bool aligned = true;
   for (const auto* s : {sq.data(), sk.data(), sv.data(), static_cast<const int64_t*>(p.mask_stride)}) {
-    for (int i = 0; i < 4; ++i) {
-      wide = wide || !fits_i32(s[i]);
-      if (i < 3) aligned = aligned && s[i] % 16 == 0;
-    }
+    for (int i = 0; i < 4; ++i) wide = wide || !fits_i32(s[i]);
   }
-  const std::array<const at::Tensor*, 4> loaded{&L.query, &L.key, &L.value, &in.mask};
+  for (const auto* s : {sq.data(), sk.data(), sv.data()})
+    for (int i = 0; i < 3; ++i) aligned = aligned && s[i] % 16 == 0;
+  const std::array<const at::Tensor*, 3> loaded{&L.query, &L.key, &L.value};
   for (const at::Tensor* t : loaded)
     if (t->numel() > 0) aligned = aligned && aligned16(t->data_ptr());
 
