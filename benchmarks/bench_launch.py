@@ -83,11 +83,37 @@ def problem(P, T=64, Hq=32, Hkv=8, D=128, seed=0):
     return dict(q=q, k=k, v=v, tree=tree, off=torch.tensor([P], device="cuda"), dense=dense)
 
 
-def calls(x):
-    return {
-        "tree_attn": lambda: torch.ops.tree_attn.forward(x["q"], x["k"], x["v"], x["tree"], x["off"]),
-        "sdpa": lambda: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x["dense"], enable_gqa=True),
-    }
+def calls(x, breakdown=False):
+    op = lambda: torch.ops.tree_attn.forward(x["q"], x["k"], x["v"], x["tree"], x["off"])  # noqa: E731
+    out = {"tree_attn": op,
+           "sdpa": lambda: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x["dense"],
+                                                          enable_gqa=True)}
+    if breakdown:
+        from torch_tree_attn import _C
+
+        def inference():
+            with torch.inference_mode():
+                return op()
+
+        # Where the host time goes: the op without the autograd layer, and the C++ launch
+        # without the dispatcher (pybind straight into prepare + launch).
+        out["tree_attn (inference_mode)"] = inference
+        out["tree_attn (_C direct)"] = lambda: _C.cuda_forward_with_lse(x["q"], x["k"], x["v"], x["tree"], x["off"])
+    return out
+
+
+def profile(fn, n=50):
+    """The profiler's CPU-side table of n calls (what each host step costs)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return p.key_averages().table(sort_by="cpu_time_total", row_limit=18)
 
 
 def host_costs(fn, n, repeats):
@@ -139,6 +165,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-first-call", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="also time the op without autograd / dispatcher, "
+                    "and print the profiler's host table")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     import torch_tree_attn  # noqa: F401
@@ -148,14 +176,16 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {props.name}; bf16 B=1 Hq=32 Hkv=8 D=128 T=64; {a.calls} calls x "
           f"{a.repeats} repeats, medians")
     rows = []
-    print(f"{'P':>6} {'method':<10} | {'enqueue us':>10} | {'eager us':>9} | {'graph us':>9} | {'eager-graph':>11}")
+    print(f"{'P':>6} {'method':<28} | {'enqueue us':>10} | {'eager us':>9} | {'graph us':>9} | {'eager-graph':>11}")
     for P in a.prefix:
         x = problem(P)
-        for name, fn in calls(x).items():
+        for name, fn in calls(x, a.breakdown).items():
             enq, eager = host_costs(fn, a.calls, a.repeats)
             graph = graph_cost(fn, a.calls, a.repeats)
             rows.append(dict(P=P, method=name, enqueue_us=enq, eager_us=eager, graph_us=graph))
-            print(f"{P:>6} {name:<10} | {enq:>10.1f} | {eager:>9.1f} | {graph:>9.1f} | {eager - graph:>11.1f}")
+            print(f"{P:>6} {name:<28} | {enq:>10.1f} | {eager:>9.1f} | {graph:>9.1f} | {eager - graph:>11.1f}")
+    if a.breakdown:
+        print(profile(calls(problem(a.prefix[0]))["tree_attn"]))
     first = []
     if not a.no_first_call:
         with tempfile.TemporaryDirectory() as cold:

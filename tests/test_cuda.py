@@ -96,12 +96,11 @@ def test_fallback_compiles_once_per_process():
 
     case = Case(B=1, Hq=4, Hkv=2, T=9, S=300, D=96, dtype=torch.float32, seed=11)
     inputs = make_inputs(case)
-    _, spec, _ = _C.cuda_plan_launch(*args_of(inputs), arch=90, num_sms=132)
     before = _C.cuda_registry_stats()["compiled"]
     out, lse = run_cuda(inputs)
     check_against_reference(out, lse, inputs)
     after = _C.cuda_registry_stats()["compiled"]
-    assert after <= before + 1
+    assert after <= before + 2    # its main pass and, if the keys split, its reduce pass
     out2, _ = run_cuda(inputs)
     assert _C.cuda_registry_stats()["compiled"] == after and torch.equal(out, out2)
 

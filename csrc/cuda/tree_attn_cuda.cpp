@@ -160,21 +160,25 @@ void run(const Prepared& in, at::Tensor& out, at::Tensor& lse, std::optional<int
   const LoadedKernel* reduce_k = L.split() ? &registry.get(L.reduce, dev) : nullptr;
 
   const int64_t total_rows = p.B * p.Hq * p.T;
-  at::Tensor po, pm, pl;
+  // The split partials, one allocation: O [splits, rows, D], then m and l [splits, rows].
+  at::Tensor partials;
+  const float *po = nullptr, *pm = nullptr, *pl = nullptr;
   if (L.split()) {
-    const auto f32 = in.query.options().dtype(at::kFloat);
-    po = at::empty({plan.num_splits, total_rows, p.D}, f32);
-    pm = at::empty({plan.num_splits, total_rows}, f32);
-    pl = at::empty({plan.num_splits, total_rows}, f32);
+    // Each part starts 16-byte aligned (the kernels' pointer specialisation).
+    const int64_t rows = int64_t(plan.num_splits) * total_rows, rows16 = (rows + 3) / 4 * 4;
+    partials = at::empty({rows * p.D + 2 * rows16}, in.query.options().dtype(at::kFloat));
+    po = partials.const_data_ptr<float>();
+    pm = po + rows * p.D;
+    pl = pm + rows16;
   }
   // Empty tensors may have no valid address; they are never dereferenced.
   const void* dummy = out.data_ptr();
   auto addr = [dummy](const at::Tensor& t) -> const void* {
     return t.defined() && t.numel() > 0 ? t.const_data_ptr() : dummy;
   };
-  const void* partial_o = L.split() ? po.const_data_ptr() : lse.const_data_ptr();
-  const void* partial_m = L.split() ? pm.const_data_ptr() : lse.const_data_ptr();
-  const void* partial_l = L.split() ? pl.const_data_ptr() : lse.const_data_ptr();
+  const void* partial_o = L.split() ? static_cast<const void*>(po) : lse.const_data_ptr();
+  const void* partial_m = L.split() ? static_cast<const void*>(pm) : lse.const_data_ptr();
+  const void* partial_l = L.split() ? static_cast<const void*>(pl) : lse.const_data_ptr();
   const int32_t off_kind = !p.has_offsets ? 0 : in.offsets.scalar_type() == at::kLong ? 2 : 1;
   const bool wide = L.main.wide;
 
@@ -200,7 +204,7 @@ void run(const Prepared& in, at::Tensor& out, at::Tensor& lse, std::optional<int
 
   if (reduce_k != nullptr) {
     Args r;
-    for (const void* ptr : {po.const_data_ptr(), pm.const_data_ptr(), pl.const_data_ptr(), addr(in.sinks),
+    for (const void* ptr : {partial_o, partial_m, partial_l, addr(in.sinks),
                             static_cast<const void*>(out.data_ptr()), static_cast<const void*>(lse.data_ptr())})
       r.ptr(ptr);
     for (int64_t v : {total_rows, p.T, p.Hq, int64_t(plan.num_splits), int64_t(p.has_sinks)}) r.integer(v, wide);
