@@ -93,7 +93,7 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
                     shape_of(query.sizes), ", got ", shape_of(key.sizes));
   TORCH_CHECK_VALUE(value.sizes == key.sizes, "value shape must equal key shape ", shape_of(key.sizes),
                     ", got ", shape_of(value.sizes));
-  TORCH_CHECK_VALUE(p.Hkv > 0 && p.Hq % p.Hkv == 0,
+  TORCH_CHECK_VALUE(p.Hq > 0 && p.Hkv > 0 && p.Hq % p.Hkv == 0,
                     "query heads Hq must be a positive multiple of key/value heads Hkv, got Hq=", p.Hq,
                     " Hkv=", p.Hkv);
   p.G = p.Hq / p.Hkv;

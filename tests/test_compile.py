@@ -161,3 +161,55 @@ def test_verify_loop_with_changing_offsets_compiles_once(backend):
         assert torch.equal(cache_k, eager_k) and torch.equal(cache_v, eager_v)
         prefix = prefix + torch.tensor([3, 5])  # accepted tokens: a new offsets tensor
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("op_name", ["forward", "forward_with_lse"])
+def test_compile_with_inputs_that_require_grad(op_name):
+    """Inputs that require grad (a training-mode model verifying a tree): the compiled
+    forward works and equals eager; running the backward raises, naming the op."""
+    inputs = make_inputs(Case(B=2, Hq=4, Hkv=2, T=5, S=30, seed=7))
+    q = inputs["query"].clone().requires_grad_(True)
+    k = inputs["key"].clone().requires_grad_(True)
+    args = dict(inputs, query=q, key=k)
+    op = getattr(ops, op_name)
+
+    def f(query, key):
+        result = op(query, key, *args_of(args)[2:])
+        return result[0] if isinstance(result, tuple) else result
+
+    got = torch.compile(f, fullgraph=True)(q, k)
+    assert got.requires_grad
+    torch.testing.assert_close(got, f(q, k), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=rf"tree_attn\.{op_name} has no backward \(asked for the gradient of 'query'\)"):
+        got.sum().backward()
+    # Only the key requires grad: still an error, never a silent None gradient.
+    k2 = inputs["key"].clone().requires_grad_(True)
+    out = torch.compile(f, fullgraph=True)(inputs["query"], k2)
+    with pytest.raises(RuntimeError, match=r"gradient of 'key'"):
+        out.sum().backward()
+
+
+def test_lse_only_backward_raises():
+    inputs = make_inputs(Case(seed=8))
+    q = inputs["query"].clone().requires_grad_(True)
+    _, lse = ops.forward_with_lse(q, *args_of(inputs)[1:])
+    with pytest.raises(RuntimeError, match="has no backward"):
+        lse.sum().backward()
+
+
+def test_python_api_takes_int_offsets():
+    """tree_attention(): a Python int or a list of ints is the int64 offsets tensor."""
+    inputs = make_inputs(Case(B=2, Hq=4, Hkv=2, T=5, S=30, offsets="same", seed=9))
+    off = inputs["mask_offset"]
+    base = torch_tree_attn.tree_attention(*args_of(inputs))
+    as_int = torch_tree_attn.tree_attention(*args_of(dict(inputs, mask_offset=int(off[0]))))
+    as_list = torch_tree_attn.tree_attention(*args_of(dict(inputs, mask_offset=off.tolist())))
+    assert torch.equal(base, as_int) and torch.equal(base, as_list)
+    for bad in (1.5, True, [1, "a"]):
+        with pytest.raises(TypeError, match="mask_offset must be an int32/int64 tensor"):
+            torch_tree_attn.tree_attention(*args_of(dict(inputs, mask_offset=bad)))
+    with pytest.raises(ValueError, match=r"mask_offset must have shape \[B\] = \[2\], got \[3\]"):
+        torch_tree_attn.tree_attention(*args_of(dict(inputs, mask_offset=[1, 2, 3])))
+    # The raw op wants a tensor: torch's own parse error names the argument.
+    with pytest.raises(RuntimeError, match="mask_offset"):
+        ops.forward(*args_of(dict(inputs, mask_offset=int(off[0]))))

@@ -74,18 +74,40 @@ torch.library.register_fake("tree_attn::forward")(_forward_fake)
 torch.library.register_fake("tree_attn::forward_with_lse")(_forward_with_lse_fake)
 
 
-# --- autograd: the op has no backward, and says so when one is asked for ---------------
+# --- autograd: the op has no backward, and says so when one is run ---------------------
+#
+# The backward is not an error raised while it is built: torch.compile traces a backward
+# graph as soon as an input requires grad, so that would fail the forward's compilation.
+# It is one call of `tree_attn::_no_backward` per input that needs a gradient: traceable (its
+# fake returns a tensor of the input's shape), and raising, naming the op, when it runs.
+
+_ARG_NAMES = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap", "sinks")
+
+
+@torch.library.custom_op("tree_attn::_no_backward", mutates_args=())
+def _no_backward_op(grad: torch.Tensor, shape: List[int], op: str, argument: str) -> torch.Tensor:
+    raise RuntimeError(
+        f"{op} has no backward (asked for the gradient of {argument!r}): tree attention is an inference op "
+        "(speculative-decoding verification). Call it under torch.no_grad() / torch.inference_mode(), or "
+        "detach its inputs, or use F.scaled_dot_product_attention where gradients are needed."
+    )
+
+
+@_no_backward_op.register_fake
+def _(grad, shape, op, argument):
+    return grad.new_empty(shape)
+
 
 def _setup_context(ctx, inputs, output) -> None:
-    pass
+    ctx.shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs]
 
 
 def _no_backward(name: str):
     def backward(ctx, *grads):
-        raise RuntimeError(
-            f"{name} has no backward: tree attention is an inference op (speculative-decoding "
-            "verification). Call it under torch.no_grad() / torch.inference_mode(), or detach its "
-            "inputs, or use F.scaled_dot_product_attention where gradients are needed."
+        grad = next(g for g in grads if g is not None)
+        return tuple(
+            torch.ops.tree_attn._no_backward(grad, list(shape), name, arg) if needs and shape is not None else None
+            for needs, shape, arg in zip(ctx.needs_input_grad, ctx.shapes, _ARG_NAMES)
         )
 
     return backward

@@ -1,7 +1,36 @@
 """The Python entry point of the op."""
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
+
+from . import _C
+
+
+def _offsets_tensor(mask_offset, query: torch.Tensor) -> Optional[torch.Tensor]:
+    """A Python int (every batch row) or a sequence of ints (one per row) as the op's int64
+    tensor on the query's device; a tensor or None as it is."""
+    if mask_offset is None or isinstance(mask_offset, torch.Tensor):
+        return mask_offset
+    if isinstance(mask_offset, bool) or not (isinstance(mask_offset, int) or (
+            isinstance(mask_offset, Sequence) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                      for v in mask_offset))):
+        raise TypeError("mask_offset must be an int32/int64 tensor [B], a Python int or a sequence of B ints, got "
+                        f"{type(mask_offset).__name__} {mask_offset!r}")
+    values = [mask_offset] * query.shape[0] if isinstance(mask_offset, int) else list(mask_offset)
+    return torch.tensor(values, dtype=torch.int64, device=query.device)
+
+
+def _direct_cuda_call(tensors) -> bool:
+    """Whether a call may go straight to the C++ CUDA launcher, skipping the dispatcher and
+    the autograd layer (what they would do is nothing here): plain CUDA tensors, eager (not
+    traced or compiled), no tensor needing a gradient, no Python mode active."""
+    query = tensors[0]
+    if query.device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (type(t) is torch.Tensor and not (grad and t.requires_grad)) for t in tensors)
 
 
 def tree_attention(
@@ -28,7 +57,10 @@ def tree_attention(
         mask: bool (True = attend) or floating (additive bias; ``-inf`` or very negative
             = masked), shape ``[B or 1, T, M]`` or ``[B or 1, 1 or Hq, T, M]``; size-1
             dims broadcast. It covers the key window ``[off_b, off_b + M)``.
-        mask_offset: int32/int64 ``[B]`` on the query's device, or None for all zeros.
+        mask_offset: int32/int64 ``[B]`` on the query's device, or None for all zeros; a
+            Python int (the same offset for every row) or a sequence of B ints is turned
+            into an int64 tensor on the query's device (a copy to the device each call:
+            pass a tensor inside CUDA graphs).
             For batch row b, keys ``j < off_b`` are always attended (the committed
             prefix), keys in the window follow the mask, keys ``j >= off_b + M`` are never
             read. A dense HF mask is ``mask_offset=None, M=S``; the compact tree form is
@@ -54,6 +86,11 @@ def tree_attention(
     Raises:
         ValueError / TypeError naming the argument and the values seen.
     """
+    mask_offset = _offsets_tensor(mask_offset, query)
+    if _direct_cuda_call((query, key, value, mask, mask_offset, sinks)):
+        # The op's CUDA kernel itself (csrc/cuda/), minus ~10 us of Python dispatch per call.
+        out, lse = _C.cuda_forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)
+        return (out, lse) if return_lse else out
     if return_lse:
         return torch.ops.tree_attn.forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks)
     return torch.ops.tree_attn.forward(query, key, value, mask, mask_offset, scale, softcap, sinks)
