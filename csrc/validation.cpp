@@ -93,9 +93,12 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
                     shape_of(query.sizes), ", got ", shape_of(key.sizes));
   TORCH_CHECK_VALUE(value.sizes == key.sizes, "value shape must equal key shape ", shape_of(key.sizes),
                     ", got ", shape_of(value.sizes));
-  TORCH_CHECK_VALUE(p.Hq > 0 && p.Hkv > 0 && p.Hq % p.Hkv == 0,
+  // No heads is no call: reject it (B = 0 or T = 0 stays an empty call with empty outputs).
+  TORCH_CHECK_VALUE(p.Hq > 0, "query must have at least one head (Hq >= 1 in [B, Hq, T, D]), got shape ",
+                    shape_of(query.sizes));
+  TORCH_CHECK_VALUE(p.Hkv > 0 && p.Hq % p.Hkv == 0,
                     "query heads Hq must be a positive multiple of key/value heads Hkv, got Hq=", p.Hq,
-                    " Hkv=", p.Hkv);
+                    " Hkv=", p.Hkv, " (query shape ", shape_of(query.sizes), ", key shape ", shape_of(key.sizes), ")");
   p.G = p.Hq / p.Hkv;
 
   // Mask: [B|1, T, M] or [B|1, 1|Hq, T, M], bool or floating.

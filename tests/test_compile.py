@@ -15,7 +15,7 @@ import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_tree_attn
-from tests.cases import args_of, Case, make_inputs, random_tree_mask
+from tests.cases import args_of, Case, check_against_reference, make_inputs, random_tree_mask
 
 ops = torch.ops.tree_attn
 
@@ -163,10 +163,13 @@ def test_verify_loop_with_changing_offsets_compiles_once(backend):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks-allowed"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("op_name", ["forward", "forward_with_lse"])
-def test_compile_with_inputs_that_require_grad(op_name):
+def test_compile_with_inputs_that_require_grad(op_name, backend, fullgraph):
     """Inputs that require grad (a training-mode model verifying a tree): the compiled
-    forward works and equals eager; running the backward raises, naming the op."""
+    forward works and equals eager and the float64 reference; running the backward
+    raises, naming the op and the input."""
     inputs = make_inputs(Case(B=2, Hq=4, Hkv=2, T=5, S=30, seed=7))
     q = inputs["query"].clone().requires_grad_(True)
     k = inputs["key"].clone().requires_grad_(True)
@@ -174,19 +177,28 @@ def test_compile_with_inputs_that_require_grad(op_name):
     op = getattr(ops, op_name)
 
     def f(query, key):
-        result = op(query, key, *args_of(args)[2:])
-        return result[0] if isinstance(result, tuple) else result
+        return op(query, key, *args_of(args)[2:])
 
-    got = torch.compile(f, fullgraph=True)(q, k)
-    assert got.requires_grad
-    torch.testing.assert_close(got, f(q, k), rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match=rf"tree_attn\.{op_name} has no backward \(asked for the gradient of 'query'\)"):
-        got.sum().backward()
+    counter = CompileCounterWithBackend(backend)
+    got = torch.compile(f, backend=counter, fullgraph=fullgraph)(q, k)
+    assert counter.frame_count == 1
+    out, lse = got if isinstance(got, tuple) else (got, None)
+    assert out.requires_grad
+    check_against_reference(out, lse, inputs)
+    expected = f(q, k)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for result in (out, expected[0] if isinstance(expected, tuple) else expected):  # compiled and eager
+        with pytest.raises(RuntimeError,
+                           match=rf"tree_attn\.{op_name} has no backward \(asked for the gradient of 'query'\)"):
+            result.sum().backward(retain_graph=True)
     # Only the key requires grad: still an error, never a silent None gradient.
     k2 = inputs["key"].clone().requires_grad_(True)
-    out = torch.compile(f, fullgraph=True)(inputs["query"], k2)
-    with pytest.raises(RuntimeError, match=r"gradient of 'key'"):
-        out.sum().backward()
+    got2 = torch.compile(f, backend=backend, fullgraph=fullgraph)(inputs["query"], k2)
+    out2 = got2[0] if isinstance(got2, tuple) else got2
+    assert torch.equal(out2, out)
+    with pytest.raises(RuntimeError, match=rf"tree_attn\.{op_name} has no backward \(asked for the gradient of 'key'\)"):
+        out2.sum().backward()
+    assert k2.grad is None
 
 
 def test_lse_only_backward_raises():
@@ -205,11 +217,54 @@ def test_python_api_takes_int_offsets():
     as_int = torch_tree_attn.tree_attention(*args_of(dict(inputs, mask_offset=int(off[0]))))
     as_list = torch_tree_attn.tree_attention(*args_of(dict(inputs, mask_offset=off.tolist())))
     assert torch.equal(base, as_int) and torch.equal(base, as_list)
+    check_against_reference(as_int, None, inputs)
+    # Under torch.compile too, and one offset per row that differ (a tuple).
+    varied = make_inputs(Case(B=2, Hq=4, Hkv=2, T=5, S=30, offsets="varied", seed=9))
+    assert varied["mask_offset"][0] != varied["mask_offset"][1]
+    as_tuple = tuple(int(o) for o in varied["mask_offset"])
+    compiled = torch.compile(lambda q, k, v, m: torch_tree_attn.tree_attention(q, k, v, m, as_tuple, return_lse=True),
+                             backend="aot_eager", fullgraph=True)
+    out, lse = compiled(*args_of(varied)[:4])
+    check_against_reference(out, lse, varied)
+    # A verify loop passing the prefix length as a changing Python int (dynamo may make it
+    # a symbolic int after the first call): still accepted, still right.
+    step = torch.compile(lambda q, k, v, m, off: torch_tree_attn.tree_attention(q, k, v, m, off),
+                         backend="aot_eager", fullgraph=True)
+    for prefix in (3, 7, 11):
+        got = step(*args_of(inputs)[:4], prefix)
+        check_against_reference(got, None, dict(inputs, mask_offset=torch.tensor([prefix, prefix])))
     for bad in (1.5, True, [1, "a"]):
         with pytest.raises(TypeError, match="mask_offset must be an int32/int64 tensor"):
             torch_tree_attn.tree_attention(*args_of(dict(inputs, mask_offset=bad)))
     with pytest.raises(ValueError, match=r"mask_offset must have shape \[B\] = \[2\], got \[3\]"):
         torch_tree_attn.tree_attention(*args_of(dict(inputs, mask_offset=[1, 2, 3])))
     # The raw op wants a tensor: torch's own parse error names the argument.
-    with pytest.raises(RuntimeError, match="mask_offset"):
+    # (torch.ops parses the arguments against the schema before any of this package's code
+    # runs, so that message is torch's: it names the argument, the type wanted and the type seen.)
+    with pytest.raises(RuntimeError, match=r"mask_offset.*int"):
         ops.forward(*args_of(dict(inputs, mask_offset=int(off[0]))))
+
+
+def test_no_heads_raise_while_tracing():
+    """Hq = 0 or Hkv = 0 is rejected by the fake with the contract's ValueError (naming the
+    argument and its shape), as eagerly; B = 0 and T = 0 stay empty calls."""
+    inputs = make_inputs(Case(B=2, Hq=4, Hkv=2, T=5, S=30))
+    q, k, v, mask, off = (inputs[n] for n in ("query", "key", "value", "mask", "mask_offset"))
+
+    def attend(q, k, v, mask, off):
+        return torch.ops.tree_attn.forward(q, k, v, mask, off, None, None, None)
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"query must have at least one head \(Hq >= 1 in \[B, Hq, T, D\]\), "
+                                         r"got shape \[2, 0, 5, 64\]"):
+        attend(q[:, :0], k, v, mask, off)
+    with pytest.raises(Exception, match=r"query must have at least one head .*got shape \[2, 0, 5, 64\]"):
+        compiled(q[:, :0], k, v, mask, off)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"Hkv=0 \(query shape \[2, 4, 5, 64\], key shape \[2, 0, 30, 64\]\)"):
+        compiled(q, k[:, :0], v[:, :0], mask, off)
+    torch._dynamo.reset()
+    for b, t in ((0, 5), (2, 0)):
+        args = (q[:b, :, :t], k[:b], v[:b], mask[:b, :t], off[:b])
+        got = compiled(*args)
+        assert got.shape == (b, 4, t, 64) and torch.equal(got, attend(*args))

@@ -215,7 +215,7 @@ def tree_attention_mask(
     header = torch.stack(
         [
             torch.as_tensor(q_offset, device=device, dtype=torch.int64).reshape(()) - kv_offset + q_length,
-            torch.tensor(local_size or 0, device=device, dtype=torch.int64),
+            torch.full((), local_size or 0, device=device, dtype=torch.int64),
         ]
     ).expand(batch_size, 2)
     padding = _padding_of_keys(attention_mask, kv_length, kv_offset)

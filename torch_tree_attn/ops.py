@@ -38,7 +38,7 @@ def tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     mask: torch.Tensor,
-    mask_offset: Optional[torch.Tensor] = None,
+    mask_offset: Union[torch.Tensor, int, Sequence[int], None] = None,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
