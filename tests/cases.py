@@ -409,3 +409,116 @@ def nonfinite_cases() -> list:
             pairs.append((Case(dtype=dtype, mask_kind=mask_kind, window=window, seed=seed, sinks=sinks, **shape),
                           kind))
     return pairs
+
+
+# ---------------------------------------------------------------------------------------
+# Extremes every backend must get right: softcap at any cap, and finite inputs near the
+# top of float32's range (the contract: finite in, finite and correct out).
+
+SOFTCAPS = (1.0, 30.0, 1e4, 1e5, 1e7)
+
+
+def check_softcap_at_any_cap(run, softcap: float, scale: Optional[float], device="cpu") -> None:
+    """cap * tanh(s / cap) keeps float32 relative accuracy at every cap (an absolute error
+    of tanh near 0 would be multiplied by the cap), in prefix tiles (several of them) and
+    window tiles alike; the scores are checked through lse at float32 accuracy."""
+    case = Case(B=2, Hq=8, Hkv=2, T=16, S=720, D=64, mask_kind="bool", seed=17, softcap=softcap, scale=scale)
+    inputs = make_inputs(case, device)
+    out, lse = run(inputs)
+    check_against_reference(out, lse, inputs)
+    _, ref_lse = tree_attention_reference(**inputs)
+    lse = lse.detach().cpu().double()
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=2e-5, rtol=2e-5)
+
+
+def _huge_inputs(device, *, S=300, T=6, mask_kind="float", seed=23):
+    """A small float32 tree problem (one kv head, 4 query heads, a prefix of (S - T) // 2
+    keys, NaN in the cache past the tree)."""
+    return make_inputs(Case(B=1, Hq=4, Hkv=1, T=T, S=S, D=64, mask_kind=mask_kind, offsets="same", seed=seed),
+                       device)
+
+
+def _expect_one_hot(out, lse, inputs, rows, key, top_score, others_must_match=True):
+    """Rows (h, i) whose score for `key` (top_score, finite and huge) dwarfs every other:
+    output = V[key] and lse = top_score, both to float32; the other rows match the
+    reference."""
+    v = inputs["value"][0, 0, key].detach().cpu().double()
+    out_c, lse_c = out.detach().cpu().double(), lse.detach().cpu().double()
+    assert torch.isfinite(out_c).all() and torch.isfinite(lse_c).all(), "finite inputs gave a non-finite result"
+    for h, i in rows:
+        torch.testing.assert_close(out_c[0, h, i], v, atol=1e-6, rtol=1e-6)
+        assert abs(lse_c[0, h, i].item() - top_score) <= 1e-6 * abs(top_score), (lse_c[0, h, i].item(), top_score)
+    if others_must_match:
+        ref_out, ref_lse = tree_attention_reference(**inputs)
+        keep = torch.ones_like(ref_lse, dtype=torch.bool)
+        for h, i in rows:
+            keep[0, h, i] = False
+        torch.testing.assert_close(out_c[keep], ref_out[keep], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse_c[keep], ref_lse[keep], atol=1e-4, rtol=1e-5)
+
+
+def extreme_finite_checks(run, device="cpu"):
+    """(name, check) pairs: sinks, biases and scores of finite magnitude up to float32's
+    max, in prefix and window keys, each giving the contract's finite answer."""
+    FMAX = torch.finfo(torch.float32).max
+
+    def sink(value):
+        def check():
+            inputs = _huge_inputs(device)
+            sinks = torch.zeros(4, device=device)
+            sinks[1] = value
+            inputs["sinks"] = sinks
+            out, lse = run(inputs)
+            if value > 0:
+                # The huge sink takes all the weight of head 1: lse is the sink exactly.
+                lse_c = lse.detach().cpu()
+                assert torch.equal(lse_c[0, 1], sinks[1].cpu().expand_as(lse_c[0, 1])), lse_c[0, 1]
+            _expect_one_hot(out, lse, inputs, [], 0, 0.0)
+        return check
+
+    def bias(value):
+        def check():
+            inputs = _huge_inputs(device)
+            mask = inputs["mask"]      # [1, T, T] float32 bias, -inf where unseen
+            # Row 2 sees window key 0 (its tree's root) with a huge bias; rows 3 and 4 too.
+            for i in (2, 3, 4):
+                mask[0, i, 0] = value
+            out, lse = run(inputs)
+            key = inputs["mask_offset"][0].item()
+            if value > 0:
+                qk = (inputs["query"][0, :, :, :].double() @ inputs["key"][0, 0, key].double()) * 64 ** -0.5
+                rows = [(h, i) for h in range(4) for i in (2, 3, 4)]
+                # lse = bias + score for key 0 (the score is ~1, below the bias's ulp).
+                _expect_one_hot(out, lse, inputs, rows, key, value + qk[0, 2].item())
+            else:
+                _expect_one_hot(out, lse, inputs, [], key, 0.0)
+        return check
+
+    def score(value, where, scale=1.0):
+        def check():
+            inputs = _huge_inputs(device, mask_kind="bool")
+            q, k = inputs["query"], inputs["key"]
+            off = inputs["mask_offset"][0].item()
+            key = 37 if where == "prefix" else off      # a prefix key, or the tree's root
+            # scale * q.k = value exactly, q.k itself finite: q = (1, 0, ...), k = (value /
+            # scale, 0, ...); row (head 1, node 3) sees key (prefix key or the root). The other
+            # rows' first dim is 0, so their scores stay ordinary.
+            inputs["scale"] = scale
+            q[..., 0] = 0.0
+            q[0, 1, 3] = 0.0
+            q[0, 1, 3, 0] = 1.0
+            k[0, 0, key] = 0.0
+            k[0, 0, key, 0] = value / scale
+            out, lse = run(inputs)
+            _expect_one_hot(out, lse, inputs, [(1, 3)] if value > 0 else [], key, value)
+        return check
+
+    return [
+        ("sink+2.5e38", sink(2.5e38)), ("sink+FMAX", sink(FMAX)), ("sink-3e38", sink(-3e38)),
+        ("bias+3e38", bias(3e38)), ("bias-3e38", bias(-3e38)),
+        ("score+2.88e38-prefix", score(2.88e38, "prefix")), ("score+2.88e38-window", score(2.88e38, "window")),
+        ("score+2.88e38-scaled-prefix", score(2.88e38, "prefix", scale=2.0)),
+        ("score-2.88e38-prefix", score(-2.88e38, "prefix")), ("score-2.88e38-window", score(-2.88e38, "window")),
+        ("score+FMAX-prefix", score(FMAX, "prefix")),
+    ]

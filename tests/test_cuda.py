@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import (Case, check_clamped_offsets, args_of, check_against_reference, check_nonfinite_case, make_inputs,
+from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks, args_of, check_against_reference, check_nonfinite_case, make_inputs,
                          nonfinite_cases, parity_matrix, random_tree_mask)
 
 pytestmark = pytest.mark.skipif(
@@ -192,6 +192,28 @@ def test_nan_in_unused_cache_slots():
     out, lse = run_cuda(inputs)
     check_against_reference(out, lse, inputs)
     assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_softcap_is_accurate_at_any_cap(softcap, scale):
+    check_softcap_at_any_cap(run_cuda, softcap, scale)
+
+
+def _run_cuda_split(num_splits):
+    from torch_tree_attn import triton_backend
+
+    def run(cpu_inputs):
+        out, lse = triton_backend.forward_with_lse(*args_of(to_cuda(cpu_inputs)), num_splits=num_splits)
+        return out.cpu(), lse.cpu()
+    return run
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("name", [name for name, _ in extreme_finite_checks(None)])
+def test_finite_extremes_stay_finite(name, num_splits):
+    # Sinks, biases and scores up to float32's max: the contract's finite answer.
+    dict(extreme_finite_checks(_run_cuda_split(num_splits)))[name]()
 
 
 @pytest.mark.parametrize("offset_dtype", [torch.int32, torch.int64])

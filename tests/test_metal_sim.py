@@ -16,7 +16,7 @@ import torch
 
 import torch_tree_attn  # noqa: F401  (registers the ops)
 import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
-from tests.cases import (args_of, Case, check_against_reference, check_nonfinite_case, DTYPE_PAIRS, inject_nonfinite,
+from tests.cases import (SOFTCAPS, check_softcap_at_any_cap, extreme_finite_checks, args_of, Case, check_against_reference, check_nonfinite_case, DTYPE_PAIRS, inject_nonfinite,
                          make_inputs, nonfinite_cases, NONFINITE_KINDS, parity_matrix)
 from torch_tree_attn.reference import tree_attention_reference
 
@@ -626,3 +626,15 @@ def test_plan_geometry(dtype, kv_dtype, D, with_sinks, family):
     # No sinks: the sinks slot gets a read-only region the kernel never reads.
     assert reduce["buffers"][6]["role"] == ("sinks" if with_sinks else "partial_m")
     assert not reduce["buffers"][6]["writable"]
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_softcap_is_accurate_at_any_cap(softcap, scale):
+    check_softcap_at_any_cap(sim, softcap, scale)
+
+
+@pytest.mark.parametrize("name", [name for name, _ in extreme_finite_checks(None)])
+def test_finite_extremes_stay_finite(name):
+    # Sinks, biases and scores up to float32's max: the contract's finite answer.
+    dict(extreme_finite_checks(sim))[name]()

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_tree_attn
-from tests.cases import (args_of, DTYPE_PAIRS, DTYPES, HEAD_DIMS, TOLERANCE, check_against_reference, make_inputs,
+from tests.cases import (SOFTCAPS, args_of, DTYPE_PAIRS, DTYPES, HEAD_DIMS, TOLERANCE, check_against_reference,
+                         check_softcap_at_any_cap, extreme_finite_checks, make_inputs,
                          parity_matrix, random_tree_mask)
 from torch_tree_attn.reference import tree_attention_reference
 
@@ -395,19 +396,15 @@ def test_scale_and_softcap_are_applied_in_contract_order():
 
 
 @pytest.mark.parametrize("scale", [None, 0.3])
-@pytest.mark.parametrize("softcap", [1.0, 30.0, 1e4, 1e5, 1e7])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 def test_softcap_is_accurate_at_any_cap(softcap, scale):
-    # cap * tanh(s / cap) must keep float32 relative accuracy however large the cap: an
-    # absolute error of tanh near 0 would be multiplied by the cap. Prefix and window
-    # blocks both go through the cap (and a long prefix through several key blocks).
-    inputs = tree_inputs(B=2, Hq=8, Hkv=2, T=16, prefix=(700, 30), D=64, S=720)
-    inputs.update(softcap=softcap, scale=scale)
-    out, lse = ops.forward_with_lse(**inputs)
-    check_against_reference(out, lse, inputs)
-    # The scores themselves, through lse, at float32 accuracy.
-    _, ref_lse = tree_attention_reference(**inputs)
-    seen = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse.double()[seen], ref_lse[seen], atol=2e-5, rtol=2e-5)
+    check_softcap_at_any_cap(lambda inputs: ops.forward_with_lse(*args_of(inputs)), softcap, scale)
+
+
+@pytest.mark.parametrize("name", [name for name, _ in extreme_finite_checks(None)])
+def test_finite_extremes_stay_finite(name):
+    # Sinks, biases and scores up to float32's max: the contract's finite answer.
+    dict(extreme_finite_checks(lambda inputs: ops.forward_with_lse(*args_of(inputs))))[name]()
 
 
 def test_non_contiguous_query_and_output_layout():

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
 
-GROUPS = ("parity", "nonfinite", "splits", "unused_slots", "clamped_offsets", "api")
+GROUPS = ("parity", "nonfinite", "splits", "unused_slots", "clamped_offsets", "extremes", "api")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 import torch_tree_attn  # noqa: E402,F401
 from torch_tree_attn import triton_backend as tb  # noqa: E402
-from tests.cases import (Case, check_clamped_offsets, args_of, check_against_reference, check_nonfinite_case, make_inputs,  # noqa: E402
+from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks, args_of, check_against_reference, check_nonfinite_case, make_inputs,  # noqa: E402
                          nonfinite_cases, parity_matrix)
 
 # A representative share of the parity matrix: every 12th case reaches every (dtype pair,
@@ -104,6 +104,17 @@ def clamped_offsets():
         yield str(offset_dtype), check
 
 
+def extremes():
+    """Softcap at every cap (float32 relative accuracy), and finite sinks, biases and scores
+    up to float32's max: the contract's finite answer, not inf or NaN."""
+    for softcap in SOFTCAPS:
+        for scale in (None, 0.3):
+            yield f"softcap{softcap:g}-scale{scale}", lambda c=softcap, s=scale: check_softcap_at_any_cap(run, c, s)
+    for splits in (None, 3):
+        for name, check in extreme_finite_checks(lambda inputs, n=splits: run(inputs, num_splits=n)):
+            yield f"{name}-splits{splits}", check
+
+
 def api():
     def forward_matches():
         inputs = make_inputs(Case(B=2, Hq=8, Hkv=2, T=6, S=50, D=96, mask_kind="float", seed=303))
@@ -151,7 +162,7 @@ def api():
 
 
 GROUPS = dict(parity=parity, nonfinite=nonfinite, splits=splits, unused_slots=unused_slots,
-              clamped_offsets=clamped_offsets, api=api)
+              clamped_offsets=clamped_offsets, extremes=extremes, api=api)
 
 
 def main(argv):

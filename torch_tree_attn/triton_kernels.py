@@ -18,14 +18,35 @@ import triton.language as tl
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+# Past this |max| (log2 units) a row's exponents switch to exact power-of-two units (see
+# _online_softmax_step): below it, one FMA's rounding of the row max is at most 2 (so p <= 4,
+# safe even as float16); above it, float32 scores are at least 2^26 * 2^-24 / log2(e) > 2.7
+# apart, so their softmax is nearly one-hot, and exactly one-hot (ties shared) from about
+# 2^32 on.
+BIG = tl.constexpr(67108864.0)  # 2^26
 
 
 @triton.jit
 def _tanh(x):
-    # tanh from exp (no libdevice, so the interpreter runs it too): odd, saturates to +-1.
-    e = tl.exp(-2.0 * tl.abs(x))
+    """tanh(x) to a few ulp of relative error for every x (no libdevice, so the interpreter
+    runs it too). The softcap multiplies tanh by the cap, so the error must be relative near
+    0, where 1 - e^{-2|x|} cancels: there (|x| < 0.625) x + x u P(u), u = x^2, P the CPU
+    kernel's degree-4 minimax fit (relative error 4.4e-9); beyond it sign(x) (1 - e) / (1 +
+    e), e = e^{-2|x|} < 0.29, which does not cancel. Odd, saturates to +-1 (x = +-inf too)."""
+    a = tl.abs(x)
+    u = x * x
+    p = -5.704991985e-3 * u + 2.063909359e-2
+    p = p * u - 5.373971909e-2
+    p = p * u + 1.333144158e-1
+    p = p * u - 3.333328068e-1
+    small = x + (x * u) * p
+    e = tl.exp2(a * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+    big = tl.where(x < 0, -t, t)
+    return tl.where(a < 0.625, small, big)
 
 
 @triton.jit
@@ -50,55 +71,85 @@ def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(s, c, v, m_i, l_i, acc, ALL_SEEN: tl.constexpr, HALF_DOT: tl.constexpr,
+def _online_softmax_step(s, cn, cb, v, m_n, m_b, l_i, acc, EMPTY_ROWS: tl.constexpr, HALF_DOT: tl.constexpr,
                          UPCAST: tl.constexpr):
-    """One key tile into the running state (m_i, l_i, acc) of each row. The tile's scores
-    in log2 units are s * c (c >= 0 a scalar), so a prefix tile passes its raw Q.K^T and
-    c = |scale| * log2(e): the max is taken on the raw scores and each exponent is one FMA,
-    exp2(s * c - m). m_i is kept in log2 units.
+    """One key tile into the running state (m_n, m_b, l_i, acc) of each row. s are the tile's
+    scores in some base unit (a prefix tile's raw Q.K^T, or natural scores); s * cn is the
+    score in log2 units (cn >= 0 a scalar) and cb is a power of two with |s * cb| <= the
+    natural score's magnitude (so it cannot overflow). m_n and m_b are the row's running max
+    in both units: m_n = max s * cn (log2 units; it may overflow to +-inf), m_b = max s * cb
+    (exact).
 
-    ALL_SEEN (prefix tiles): every row sees every key, so a non-finite score must poison its
-    row, and it does so by propagation, at one FMA per score: p + 0 * s is p for a finite s
-    and NaN for NaN or +-inf, so l_i (and the row's acc) become NaN and stay NaN, and the
-    epilogue's finiteness test of l_i and acc poisons the row. The max needs no care: a
-    NaN or +inf there only changes a row that is poisoned anyway.
-    Otherwise (window tiles) unseen entries are -inf by selection and p is exactly 0 there;
-    an entry the row sees is NaN where it must poison (the caller's selection). A row that
-    has seen no key keeps m = -inf and subtracts 0, so every exponent is exp2(-inf) = 0,
-    never NaN; s * c - m <= 0 cannot overflow."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * c)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * c - m_use[:, None])
-    if ALL_SEEN:
-        p = p + s * 0.0
-    alpha = tl.exp2(m_i - m_use)
+    The exponent of each score is one FMA, s * c - m, with c and m per row: while the row
+    max is below BIG in log2 units, c = cn and m = m_n (the rounding of m is then at most 2
+    and only scales the whole row's p, which cancels, as do the tile-to-tile rescales
+    alpha, exact differences of consecutive m_n). From BIG on (either sign, overflow to
+    inf included), c = cb and m = m_b: s * cb is exact, so the max's exponent is exactly 0
+    (p = 1, shared by exact ties) and the other keys' exponents are -gap * cb, far below
+    -150 (p = 0, as their true weights) for the magnitudes where float32 can overflow; a
+    row switches units only when its max grows past +-BIG, and its old state is then
+    rescaled by the new units' alpha. A prefix tile passes its raw scores and c = |scale| *
+    log2(e), so the max is taken on raw scores and each exponent is still one FMA.
+
+    NaN scores poison by propagation (p is NaN); the caller poisons raw scores that are
+    not finite or overflow once scaled (per row, on the tile's max |s|). EMPTY_ROWS (window
+    tiles): unseen entries are -inf by selection and p is exactly 0 there; a row that has
+    seen no key keeps m = -inf and subtracts 0, so every exponent is exp2(-inf) = 0, never
+    NaN. Without it (prefix tiles) every row sees a finite max, or is poisoned."""
+    t_max = tl.max(s, axis=1)
+    m_n_new = tl.maximum(m_n, t_max * cn)
+    m_b_new = tl.maximum(m_b, t_max * cb)
+    big = tl.abs(m_n_new) >= BIG
+    c_row = tl.where(big, cb, cn)
+    m_ref = tl.where(big, m_b_new, m_n_new)
+    m_old = tl.where(big, m_b, m_n)
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_ref == float("-inf"), 0.0, m_ref)
+    # An explicit FMA (the GPU would contract it anyway), so the interpreter rounds as it does.
+    p = tl.exp2(tl.fma(s, c_row[:, None], -m_ref[:, None]))
+    alpha = tl.exp2(m_old - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p, v, HALF_DOT, UPCAST)
-    return m_new, l_i, acc
+    return m_n_new, m_b_new, l_i, acc
 
 
 @triton.jit
-def _finalize(acc, m_i, l_i, poison, sink_ptr, h, row_ok, has_sink):
-    """(out float32 [rows, D], lse [rows], natural log) of rows whose online softmax state,
-    with m_i in log2 units, is (acc, m_i, l_i): sinks join here, poisoned rows become NaN,
-    rows that see no key give 0 and lse -inf (or their sink, exactly)."""
+def _natural_state(m_n, m_b):
+    """(m, d) of a row's final state, m its max in natural units and d the log2 of the
+    factor that makes l and acc relative to e^m (exact to float32: m = m_n ln 2 rounded,
+    d its rounding error in log2 units, |d| < 1). m_b is in natural units here."""
+    big = tl.abs(m_n) >= BIG
+    m_nat = tl.where(big, m_b, m_n * LN2)
+    d = tl.where(big, 0.0, tl.fma(-m_nat, LOG2E, m_n))
+    return m_nat, d
+
+
+@triton.jit
+def _finalize(acc, m, d, l_i, poison, sink_ptr, h, row_ok, has_sink):
+    """(out float32 [rows, D], lse [rows], natural log) of rows whose softmax state is
+    sum_j e^{s_j} v_j = acc * 2^d * e^m, sum_j e^{s_j} = l_i * 2^d * e^m (m natural units):
+    sinks join here, poisoned rows become NaN, rows that see no key give 0 and lse -inf (or
+    their sink, exactly). Natural units throughout, so no finite max, lse or sink
+    overflows (a sink of 3e38 is one), and every exponent is a difference first."""
     seen_any = l_i > 0
-    keys_lse = tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    l_safe = tl.where(seen_any, l_i, 1.0)
+    keys_lse = tl.where(seen_any, m + (tl.log2(l_safe) + d) * LN2, float("-inf"))
     if has_sink != 0:
         sink = tl.load(sink_ptr + h, mask=row_ok, other=float("-inf"))
         poison = poison | ((sink != sink) | (sink == float("inf"))).to(tl.int32)
-        sink_f = tl.where(sink == sink, sink * LOG2E, float("-inf"))
-        hi = tl.maximum(keys_lse, sink_f)
-        lo = tl.minimum(keys_lse, sink_f)
+        sink_n = tl.where(sink == sink, sink, float("-inf"))
+        hi = tl.maximum(keys_lse, sink_n)
+        lo = tl.minimum(keys_lse, sink_n)
         hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
-        lse = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log2(1.0 + tl.exp2(lo - hi_safe)))
+        lse = tl.where(hi == float("-inf"), float("-inf"),
+                       hi + tl.log2(1.0 + tl.exp2((lo - hi_safe) * LOG2E)) * LN2)
         lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-        weight = tl.where(seen_any, tl.exp2(m_i - lse_safe), 0.0)
+        weight = tl.where(seen_any, tl.exp2(d + (m - lse_safe) * LOG2E), 0.0)
         # A row that sees no key: lse is the sink exactly.
-        lse = tl.where(seen_any, lse * LN2, sink)
+        lse = tl.where(seen_any, lse, sink)
     else:
-        weight = tl.where(seen_any, 1.0 / tl.where(seen_any, l_i, 1.0), 0.0)
-        lse = keys_lse * LN2
+        weight = tl.where(seen_any, 1.0 / l_safe, 0.0)
+        lse = keys_lse
     out = acc * weight[:, None]
     bad = poison != 0
     out = tl.where(bad[:, None], float("nan"), out)
@@ -185,10 +236,22 @@ def _tree_attn_main(
     v_base = V + b * sv0 + kvh * sv1
     m_base = MASK + b * sm0 + h[:, None] * sm1 + i[:, None].to(tl.int64) * sm2
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    m_n = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)   # running max, log2 units
+    m_b = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)   # running max, power-of-two units
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     c = scale_abs * LOG2E
+    # |scale| = P * to_nat: P its power of two (0 for a zero or subnormal scale), to_nat in
+    # [1, 2). Raw scores times P are exact and never overflow; m_b * to_nat is then the
+    # natural max rounded once, as the window's scaled scores are.
+    scale_bits = tl.cast(scale_abs, tl.float32).to(tl.int32, bitcast=True)
+    P = (scale_bits & 0x7F800000).to(tl.float32, bitcast=True)
+    to_nat = ((scale_bits & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    # 1 / softcap, refined by one Newton step (the GPU's division is approximate; a precise
+    # one is a subroutine call, which costs the loops registers); at most float32's max.
+    inv_cap = tl.minimum(1.0 / softcap, FLOAT32_MAX)
+    inv_cap = tl.minimum(tl.fma(inv_cap, tl.fma(-softcap, inv_cap, 1.0), inv_cap), FLOAT32_MAX)
+    x_per_raw = tl.minimum(scale_abs * inv_cap, FLOAT32_MAX)   # softcap's tanh argument per raw score
 
     # --- prefix tiles: every key < off <= S, every row sees every key ------------------
     # Addresses: an int64 scalar base per tile plus int32 offsets inside it (the launcher
@@ -202,13 +265,20 @@ def _tree_attn_main(
         k = tl.load(k_base + key0 * sk2 + k_in_tile, mask=d_ok[None, :], other=0.0)
         v = tl.load(v_base + key0 * sv2 + v_in_tile, mask=d_ok[None, :], other=0.0)
         s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
+        # Every row sees every key: a raw score that is not finite, or overflows once scaled,
+        # poisons its row, once per row (the tile's max |raw| times |scale| is then not
+        # finite, and 0 times it is NaN; tanh would saturate it, and a huge negative score
+        # would only get p = 0). NaN raw scores propagate through p as well.
+        s_poison = tl.max(tl.abs(s), axis=1) * scale_abs * 0.0
         if HAS_SOFTCAP:
-            # tanh saturates an infinite raw score: 0 * raw keeps it poisoning (NaN).
-            s = s * scale_abs
-            s = softcap * _tanh(s / softcap) + s * 0.0
-            m_i, l_i, acc = _online_softmax_step(s, LOG2E, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
+            s = softcap * _tanh(s * x_per_raw)
+            m_n, m_b, l_i, acc = _online_softmax_step(s, LOG2E, 1.0, v, m_n, m_b, l_i, acc, False, HALF_DOT,
+                                                      UPCAST)
         else:
-            m_i, l_i, acc = _online_softmax_step(s, c, v, m_i, l_i, acc, True, HALF_DOT, UPCAST)
+            m_n, m_b, l_i, acc = _online_softmax_step(s, c, P, v, m_n, m_b, l_i, acc, False, HALF_DOT, UPCAST)
+        l_i = l_i + s_poison
+    if not HAS_SOFTCAP:
+        m_b = m_b * to_nat           # from raw * P to natural units, as the window's scores
 
     # --- window sub-tiles: keys [n_prefix * BLOCK_N, kend), the mask decides -------------
     # WINDOW_N keys at a time: the mask and its selections are [BLOCK_M, WINDOW_N], which
@@ -248,29 +318,33 @@ def _tree_attn_main(
                 bias = tl.where(seen_w, bias, 0.0)
                 z = z + bias * 0.0
             if HAS_SOFTCAP:
-                s = softcap * _tanh(s / softcap)
+                s = softcap * _tanh(s * inv_cap)
             if MASK_FLOAT:
                 s = s + bias
             s = tl.where(seen, s + z, float("-inf"))
             # A V row that is not finite is zeroed: 0 * NaN must not reach the rows that
             # don't see it (those that do are poisoned through z).
             v = tl.where((v_nan != 0.0)[:, None], 0.0, v).to(v.dtype)
-            m_i, l_i, acc = _online_softmax_step(s, LOG2E, v, m_i, l_i, acc, False, HALF_DOT, UPCAST)
+            m_n, m_b, l_i, acc = _online_softmax_step(s, LOG2E, 1.0, v, m_n, m_b, l_i, acc, True, HALF_DOT,
+                                                      UPCAST)
 
     # Every non-finite value a row sees has reached its l_i (a score, bias or window V row,
     # through p) or its acc (a prefix V row, through P.V, also as 0 * NaN): it poisons here.
     poison = _not_finite(l_i).to(tl.int32) | tl.max(_not_finite(acc).to(tl.int32), axis=1)
     flat = bh.to(tl.int64) * R + rows    # row of the [B, Hq, T] output, = (b*Hkv + kvh)*R + r
     io_mask = row_ok[:, None] & d_ok[None, :]
+    m_nat, d_exp = _natural_state(m_n, m_b)
     if num_splits == 1:
-        out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, has_sink)
+        out, lse = _finalize(acc, m_nat, d_exp, l_i, poison, SINK, h, row_ok, has_sink)
         tl.store(OUT + flat[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
         tl.store(LSE + flat, lse, mask=row_ok)
     else:
+        # Partials in natural units: sum_j e^{s_j} v_j = PO e^PM, sum_j e^{s_j} = PL e^PM.
         part = split.to(tl.int64) * total_rows + flat
-        tl.store(PO + part[:, None] * D + d[None, :], acc, mask=io_mask)
-        tl.store(PM + part, tl.where(poison != 0, float("nan"), m_i), mask=row_ok)
-        tl.store(PL + part, l_i, mask=row_ok)
+        to_e = tl.exp2(d_exp)
+        tl.store(PO + part[:, None] * D + d[None, :], acc * to_e[:, None], mask=io_mask)
+        tl.store(PM + part, tl.where(poison != 0, float("nan"), m_nat), mask=row_ok)
+        tl.store(PL + part, l_i * to_e, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["total_rows", "T", "Hq", "num_splits", "has_sink"])
@@ -279,7 +353,7 @@ def _tree_attn_reduce(
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Reduce pass (only when the keys are split): a program owns BLOCK_R output rows and
-    merges their num_splits partials (unnormalised O, max m in log2 units, sum l; m = NaN
+    merges their num_splits partials (unnormalised O, max m in natural units, sum l; m = NaN
     marks a poisoned split) by an online rescale, in split order: deterministic, no
     atomics. Reads each partial once. The split loop is unrolled CHUNK at a time, so a
     chunk's loads are in flight together (one memory latency per chunk, not per split);
@@ -304,12 +378,13 @@ def _tree_attn_reduce(
             m_s = tl.where(m_s == m_s, m_s, float("-inf"))
             m_new = tl.maximum(m_i, m_s)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a_old = tl.exp2(m_i - m_use)
-            a_new = tl.exp2(m_s - m_use)                               # 0: empty or poisoned split
+            # Natural units: the difference first (no finite max overflows), then log2.
+            a_old = tl.exp2((m_i - m_use) * LOG2E)
+            a_new = tl.exp2((m_s - m_use) * LOG2E)                     # 0: empty or poisoned split
             l_i = l_i * a_old + l_s * a_new
             acc = acc * a_old[:, None] + o_s * a_new[:, None]
             m_i = m_new
     h = (rows // T) % Hq
-    out, lse = _finalize(acc, m_i, l_i, poison, SINK, h, row_ok, has_sink)
+    out, lse = _finalize(acc, m_i, 0.0, l_i, poison, SINK, h, row_ok, has_sink)
     tl.store(OUT + rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=io_mask)
     tl.store(LSE + rows, lse, mask=row_ok)
