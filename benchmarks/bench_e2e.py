@@ -512,19 +512,28 @@ def plot(rows, env, path):
 def run_prefix(step, impls, modes, args, cuda):
     """Check, then time every (implementation, mode) at one P; returns (checks, rows)."""
     with torch.no_grad():
-        checks, eager_logits = check_step(step, impls, cuda)
+        checked = [i for i in impls if not (i == "flex_attention" and args.flex_max_prefix is not None
+                                            and step.P > args.flex_max_prefix)]
+        checks, eager_logits = check_step(step, checked, cuda)
         rows = []
         for mode in modes:
             for impl in impls:
                 row = dict(P=step.P, impl=impl, mode=mode)
+                warmup, iters = args.warmup, args.iters
+                if impl == "flex_attention":
+                    if args.flex_max_prefix is not None and step.P > args.flex_max_prefix:
+                        row["error"] = f"skipped: P > --flex-max-prefix {args.flex_max_prefix} (seconds per step)"
+                        rows.append(row)
+                        continue
+                    warmup, iters = min(warmup, 1), min(iters, args.flex_iters)
                 try:
                     if mode == "eager":
-                        row["ms"] = time_eager(step, impl, args.warmup, args.iters)
+                        row["ms"] = time_eager(step, impl, warmup, iters)
                         row["attention_share"], row["attention_ms"], row["profiled_ms"] = attention_share(step, impl)
                     else:
                         prepared = args.graph_masks == "prepared"
                         row["ms"], row["graph_vs_eager_max_abs_diff"] = time_graph(
-                            step, impl, prepared, args.warmup, args.iters, eager_logits.get(impl))
+                            step, impl, prepared, warmup, iters, eager_logits.get(impl))
                         if prepared and impl == "tree_attn":
                             row["note"] = "causal spec prepared outside the graph"
                 except Exception as e:  # noqa: BLE001  (a failed forward or capture is reported in its row)
@@ -549,6 +558,10 @@ def parse_args(argv):
                         help="attention implementations (cuda: all three; cpu: tree_attn sdpa)")
     parser.add_argument("--iters", type=int, help="timed steps per measurement, median (cuda 20, cpu 10)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (3)")
+    parser.add_argument("--flex-iters", type=int, default=3,
+                        help="timed steps for flex_attention, which is far slower here (3, after 1 warm-up)")
+    parser.add_argument("--flex-max-prefix", type=int, default=16384,
+                        help="flex_attention rows only up to this P (16384: at 65536 one step takes many seconds)")
     parser.add_argument("--no-graph", action="store_true", help="(cuda) eager mode only")
     parser.add_argument("--graph-masks", choices=["prepared", "in-graph"], default="prepared",
                         help="(cuda) tree_attn's mask in graph mode: its causal spec built outside the graph "

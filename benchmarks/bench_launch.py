@@ -89,6 +89,7 @@ def calls(x, breakdown=False):
            "sdpa": lambda: F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x["dense"],
                                                           enable_gqa=True)}
     if breakdown:
+        import torch_tree_attn
         from torch_tree_attn import _C
 
         def inference():
@@ -98,6 +99,9 @@ def calls(x, breakdown=False):
         # Where the host time goes: the op without the autograd layer, and the C++ launch
         # without the dispatcher (pybind straight into prepare + launch).
         out["tree_attn (inference_mode)"] = inference
+        overload = torch.ops.tree_attn.forward.default
+        out["tree_attn (.default overload)"] = lambda: overload(x["q"], x["k"], x["v"], x["tree"], x["off"])
+        out["tree_attention()"] = lambda: torch_tree_attn.tree_attention(x["q"], x["k"], x["v"], x["tree"], x["off"])
         out["tree_attn (_C direct)"] = lambda: _C.cuda_forward_with_lse(x["q"], x["k"], x["v"], x["tree"], x["off"])
     return out
 

@@ -92,7 +92,7 @@ for s in $STAGES; do
     bench)
       stage bench 200 $PY benchmarks/bench_op.py --device cuda --json "$OUT/bench.json" --plot "$OUT/bench.png"
       cp "$OUT/bench.log" "$OUT/bench.txt" ;;
-    launch) stage launch 150 $PY benchmarks/bench_launch.py --json "$OUT/launch.json" ;;
+    launch) stage launch 150 $PY benchmarks/bench_launch.py --breakdown --json "$OUT/launch.json" ;;
     e2e) stage e2e ${E2E_S:-300} $PY benchmarks/bench_e2e.py --device cuda --json "$OUT/e2e.json" --png "$OUT/e2e.png" ;;
     triton) stage triton 200 $PYTEST tests/test_triton.py ;;
     hf) stage hf 300 env TREE_ATTN_TEST_DEVICE=cuda $PYTEST tests/test_hf.py ;;

@@ -1,5 +1,5 @@
 """Fake implementations (for torch.compile / FakeTensor tracing, and the Meta backend)
-and the op's autograd registration.
+and the `_no_backward` op the C++ autograd kernel (csrc/autograd.cpp) calls.
 
 The fakes check a call with the contract's own rules: ``_C.check_contract`` is the C++
 ``check_contract()`` that every backend's ``prepare()`` runs, applied to the arguments'
@@ -76,12 +76,11 @@ torch.library.register_fake("tree_attn::forward_with_lse")(_forward_with_lse_fak
 
 # --- autograd: the op has no backward, and says so when one is run ---------------------
 #
-# The backward is not an error raised while it is built: torch.compile traces a backward
-# graph as soon as an input requires grad, so that would fail the forward's compilation.
-# It is one call of `tree_attn::_no_backward` per input that needs a gradient: traceable (its
-# fake returns a tensor of the input's shape), and raising, naming the op, when it runs.
-
-_ARG_NAMES = ("query", "key", "value", "mask", "mask_offset", "scale", "softcap", "sinks")
+# The op's Autograd kernel is C++ (csrc/autograd.cpp: an eager call with no input needing a
+# gradient goes straight through). With one that does, the outputs' grad_fn calls
+# `tree_attn::_no_backward` once per input that needs a gradient: traceable (its fake
+# returns a tensor of the input's shape, so torch.compile can build the backward graph),
+# and raising, naming the op and the input, when it runs.
 
 
 @torch.library.custom_op("tree_attn::_no_backward", mutates_args=())
@@ -96,22 +95,3 @@ def _no_backward_op(grad: torch.Tensor, shape: List[int], op: str, argument: str
 @_no_backward_op.register_fake
 def _(grad, shape, op, argument):
     return grad.new_empty(shape)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    ctx.shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs]
-
-
-def _no_backward(name: str):
-    def backward(ctx, *grads):
-        grad = next(g for g in grads if g is not None)
-        return tuple(
-            torch.ops.tree_attn._no_backward(grad, list(shape), name, arg) if needs and shape is not None else None
-            for needs, shape, arg in zip(ctx.needs_input_grad, ctx.shapes, _ARG_NAMES)
-        )
-
-    return backward
-
-
-for _op in OPS:
-    torch.library.register_autograd(_op, _no_backward(_op.replace("::", ".")), setup_context=_setup_context)
