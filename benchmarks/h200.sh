@@ -31,7 +31,9 @@ OUT=${OUT:-$ROOT/h200-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET=${H200_BUDGET_S:-570}
-STAGES=${*:-install core launch e2e parity hf eagle3 bench triton suite}
+# triton (the interpreter run) is not a default stage: triton 3.6's interpreter fails with
+# numpy 2.x (int() of a one-element array in its range()); CI runs it with a current triton.
+STAGES=${*:-install core launch e2e parity hf eagle3 bench suite}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export MAX_JOBS=${MAX_JOBS:-16}
 if [ -z "${CXX:-}" ] && [ -x /opt/gcc/bin/g++ ]; then
