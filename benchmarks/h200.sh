@@ -13,7 +13,8 @@
 #   core      tests/test_cuda.py except the parity matrix: splits, unused slots, clamped
 #             offsets, no host sync, CUDA graphs, torch.compile, opcheck
 #   parity    tests/test_cuda.py's parity matrix (880 cases), non-finite cases and
-#             forward-vs-forward_with_lse, in $PARITY_SHARDS (8) parallel pytest processes
+#             forward-vs-forward_with_lse, after tests/warm_cuda_kernels.py has compiled
+#             the specs outside the prebuilt table, in $PARITY_SHARDS (16) parallel pytest processes
 #             (TREE_ATTN_TEST_SHARD=i/n), so Triton's compilations use the CPU cores, for
 #             at most $PARITY_S (200) seconds; one $OUT/parity.log for all shards
 #   bench     benchmarks/bench_op.py --device cuda -> $OUT/bench.{txt,json,png} (alone on the GPU)
@@ -75,10 +76,13 @@ for s in $STAGES; do
     install) stage install 240 $PY -m pip install --no-build-isolation --no-deps -v -e . ;;
     core) stage core 150 $PYTEST tests/test_cuda.py -k "not test_parity_matrix and not test_forward_without_lse and not test_nonfinite" ;;
     parity)
+      # First every spec outside the prebuilt table, compiled once each in parallel into
+      # Triton's disk cache (else each shard compiles the ones it meets, serially).
+      stage warm 150 $PY -m tests.warm_cuda_kernels
       t=$(left); cap=${PARITY_S:-200}; [ "$cap" -lt "$t" ] && t=$cap
-      start=$SECONDS; pids=(); n=${PARITY_SHARDS:-8}
+      start=$SECONDS; pids=(); n=${PARITY_SHARDS:-16}
       for i in $(seq 0 $((n - 1))); do
-        TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" $PYTEST tests/test_cuda.py \
+        OMP_NUM_THREADS=1 TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" $PYTEST tests/test_cuda.py \
           -k "test_parity_matrix or test_forward_without_lse or test_nonfinite" >"$OUT/parity-$i.log" 2>&1 &
         pids+=($!)
       done
