@@ -362,3 +362,44 @@ def test_empty_problem():
     kv = torch.randn(1, 2, 10, 64, device="cuda")
     out, lse = ops.forward_with_lse(q, kv, kv, torch.ones(1, 0, 3, dtype=torch.bool, device="cuda"), None, None, None)
     assert out.shape == (1, 4, 0, 64) and lse.shape == (1, 4, 0) and out.is_cuda
+
+
+@pytest.mark.parametrize("op_name", ["forward", "forward_with_lse"])
+def test_inputs_that_require_grad(op_name):
+    """Defect 3 on the GPU: with inputs that require grad the forward works, eager and under
+    torch.compile(fullgraph=True), and equals the no-grad call; backward raises naming the
+    op and the input."""
+    torch._dynamo.reset()
+    inputs = to_cuda(make_inputs(Case(B=2, Hq=8, Hkv=2, T=9, S=700, D=128, dtype=torch.bfloat16, seed=41)))
+    q = inputs["query"].clone().requires_grad_(True)
+    op = getattr(ops, op_name)
+
+    def f(query):
+        return op(query, *args_of(inputs)[1:])
+
+    expected = f(inputs["query"])
+    for got in (f(q), torch.compile(f, fullgraph=True)(q)):
+        out = got[0] if isinstance(got, tuple) else got
+        assert out.requires_grad
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match=rf"tree_attn\.{op_name} has no backward \(asked for the gradient of 'query'\)"):
+            out.float().sum().backward()
+    torch._dynamo.reset()
+
+
+def test_python_offsets_and_empty_heads():
+    """Defect 4 on the GPU: tree_attention() takes a Python int or a list of ints as the
+    offsets (same answer as the tensor); Hq = 0 or Hkv = 0 is rejected naming the shapes."""
+    inputs = to_cuda(make_inputs(Case(B=2, Hq=8, Hkv=2, T=6, S=300, D=64, dtype=torch.float16, offsets="same",
+                                      seed=42)))
+    args = args_of(inputs)
+    expected = ops.forward(*args)
+    off = inputs["mask_offset"].tolist()
+    for python_offsets in (off[0], off, tuple(off)):
+        got = torch_tree_attn.tree_attention(*args[:4], python_offsets)
+        assert torch.equal(got, expected), python_offsets
+    q, k = inputs["query"], inputs["key"]
+    with pytest.raises(ValueError, match=r"query must have at least one head \(Hq >= 1"):
+        ops.forward(q[:, :0], k, k, inputs["mask"], inputs["mask_offset"])
+    with pytest.raises(ValueError, match="got Hq=8 Hkv=0"):
+        ops.forward(q, k[:, :0], k[:, :0], inputs["mask"], inputs["mask_offset"])
