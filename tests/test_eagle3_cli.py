@@ -102,7 +102,7 @@ def test_parse_args_accepts_the_edges():
     assert demo.parse_args(["--temperature", "-0"]).temperature == 0  # greedy, not a negative value
     # The tree-shape defaults: small for the built-in pair on CPU, EAGLE's elsewhere.
     small = demo.parse_args([])
-    assert (small.total_tokens, small.depth, small.top_k) == (24, 8, 4)
+    assert (small.total_tokens, small.depth, small.top_k) == (16, 6, 2)
     eagle = demo.parse_args(["--device", "cuda"])
     assert (eagle.total_tokens, eagle.depth, eagle.top_k) == (60, 7, 10)
 
@@ -190,7 +190,7 @@ def test_prompt_that_encodes_to_nothing(monkeypatch, capsys):
 
 def test_budget_beyond_the_context(capsys):
     prompt_len = len(demo.DEFAULT_PROMPT) + 1  # bytes + BOS
-    fits = CONTEXT - prompt_len - 9 + 1  # default built-in tree: depth 8 + the root step = 9 levels
+    fits = CONTEXT - prompt_len - 7 + 1  # default built-in tree: depth 6 + the root step = 7 levels
     code, err = exit_of(["--max-new-tokens", str(fits + 1)], capsys)
     assert code == 2
     last = err.strip().splitlines()[-1]
@@ -201,8 +201,8 @@ def test_budget_beyond_the_context(capsys):
 def test_budget_at_the_context_edge_runs_within_it(monkeypatch, capsys):
     # A prompt that leaves room for 6 new tokens with the default tree; record every position
     # the target is given (tree rounds pass them; the other forwards follow the cache).
-    prompt = "x" * (CONTEXT - 1 - 9 + 1 - 6)
-    fits = CONTEXT - (len(prompt) + 1) - 9 + 1
+    prompt = "x" * (CONTEXT - 1 - 7 + 1 - 6)
+    fits = CONTEXT - (len(prompt) + 1) - 7 + 1
     assert fits == 6
     code, err = exit_of(["--prompt", prompt, "--max-new-tokens", str(fits + 1)], capsys)
     assert code == 2 and "the most that fits is 6" in err
@@ -234,32 +234,40 @@ def test_budget_at_the_context_edge_runs_within_it(monkeypatch, capsys):
 
 @pytest.fixture
 def recorder(monkeypatch):
-    """Record main()'s decoder runs: each speculative() run's Stats with the number of tokens
-    every verify round produced (accepted draft tokens + bonus, before any cut), and each
-    plain_greedy() run's Stats. The measured runs are the last ones (after the warm-up)."""
+    """Record main()'s decoder runs: each speculative_decode() run's Run, the tokens each of its
+    verify rounds produced (accepted draft tokens + bonus, before any cut: the library's
+    Stats.accept_lengths) and the target forwards a hook on the target counted during it (all,
+    and those with a tree); each plain_greedy() run's Run. The measured runs are the last ones
+    (after the cold-start ones)."""
     runs = {"spec": [], "greedy": []}
-    real_spec, real_greedy = demo.speculative, demo.plain_greedy
+    counted = {"forwards": 0, "trees": 0}
+    real_spec, real_greedy, real_load = demo.speculative_decode, demo.plain_greedy, demo.load_models
 
-    def speculative(*a, **kw):
-        runs["spec"].append({"rounds": []})
-        runs["spec"][-1]["stats"] = stats = real_spec(*a, **kw)
-        return stats
+    def load_models(*a, **kw):
+        target, draft, tokenizer = real_load(*a, **kw)
+
+        def hook(module, args, kwargs):
+            counted["forwards"] += 1
+            counted["trees"] += kwargs.get("tree_mask") is not None
+
+        target.register_forward_pre_hook(hook, with_kwargs=True)
+        return target, draft, tokenizer
+
+    def speculative_decode(*a, **kw):
+        before = dict(counted)
+        run = real_spec(*a, **kw)
+        runs["spec"].append({"run": run, "rounds": [row[0] for row in run.stats.accept_lengths],
+                             "forwards": counted["forwards"] - before["forwards"],
+                             "trees": counted["trees"] - before["trees"]})
+        return run
 
     def plain_greedy(*a, **kw):
         runs["greedy"].append(real_greedy(*a, **kw))
         return runs["greedy"][-1]
 
-    def recording(verify):
-        def wrapped(*a, **kw):
-            accepted, next_token = verify(*a, **kw)
-            runs["spec"][-1]["rounds"].append(len(accepted))  # accepted[0] is the root: + bonus
-            return accepted, next_token
-        return wrapped
-
-    monkeypatch.setattr(demo, "speculative", speculative)
+    monkeypatch.setattr(demo, "load_models", load_models)
+    monkeypatch.setattr(demo, "speculative_decode", speculative_decode)
     monkeypatch.setattr(demo, "plain_greedy", plain_greedy)
-    monkeypatch.setattr(demo, "verify_greedy", recording(demo.verify_greedy))
-    monkeypatch.setattr(demo, "verify_sampling", recording(demo.verify_sampling))
     return runs
 
 
@@ -267,23 +275,30 @@ REPORT = re.compile(r"eagle-3 tree decoding: (\d+) tokens? in .* = .* tokens/s, 
                     r"\(prefill \+ (\d+) verify rounds?;")
 ACCEPT = re.compile(r"mean acceptance length ([\d.]+) = (\d+) tokens? emitted by (\d+) verify rounds?")
 GREEDY = re.compile(r"plain greedy decoding: (\d+) tokens? in .* tokens/s, (\d+) target forwards?;")
+COLD = re.compile(r"cold start \(each decoder's first call, nothing warmed up\): eagle-3 (\d+) tokens? in ([\d.]+) s "
+                  r".*plain greedy (\d+) tokens? in ([\d.]+) s; speedup ([\d.]+)x; process start to eagle-3's last "
+                  r"token ([\d.]+) s \(imports and model load ([\d.]+) s\)")
 
 
 def check_run(runs, out, max_new_tokens):
-    """The measured run's numbers, checked against the rounds' recorded outputs and greedy."""
-    spec, sizes = runs["spec"][-1]["stats"], runs["spec"][-1]["rounds"]
+    """The measured run's numbers, checked against the rounds' recorded outputs, the forwards the
+    hook counted, and greedy."""
+    assert len(runs["spec"]) == 2 and len(runs["greedy"]) == 2  # cold start, then steady state
+    record = runs["spec"][-1]
+    spec, sizes = record["run"], record["rounds"]
+    stats = spec.stats
     n = len(spec.tokens)
     # Emitted: the first token from the prefill, then the rounds' tokens up to the budget (the
     # built-in model emits no end-of-sequence this early). Rounds stop once the budget is met.
     assert n == max_new_tokens
-    assert spec.rounds == len(sizes)
+    assert stats.rounds == len(sizes) == record["trees"]  # one tree forward per round
+    assert record["forwards"] == 1 + stats.rounds == spec.forwards == stats.forwards  # + the prefill
     if sizes:
         assert sum(sizes[:-1]) < n - 1 <= sum(sizes)
     else:
         assert n == 1
-    assert spec.produced == n - 1
-    assert spec.cut == sum(sizes) - (n - 1)
-    assert spec.forwards == 1 + spec.rounds
+    assert stats.produced == n - 1
+    assert stats.cut == sum(sizes) - (n - 1)
 
     shown = REPORT.search(out)
     assert shown, out
@@ -293,12 +308,21 @@ def check_run(runs, out, max_new_tokens):
         assert accept, out
         assert accept.group(1) == f"{(n - 1) / len(sizes):.2f}"
         assert [int(accept.group(2)), int(accept.group(3))] == [n - 1, len(sizes)]
-        assert spec.mean_acceptance_length == (n - 1) / len(sizes)
+        assert stats.mean_acceptance_length == (n - 1) / len(sizes)
     else:
         assert accept is None and "mean acceptance length n/a" in out
-        assert spec.mean_acceptance_length is None
+        assert stats.mean_acceptance_length is None
     greedy = runs["greedy"][-1]
     assert [int(g) for g in GREEDY.search(out).groups()] == [len(greedy.tokens), len(greedy.tokens)]
+    cold = COLD.search(out)
+    assert cold, out
+    cold_spec, cold_greedy = runs["spec"][0]["run"], runs["greedy"][0]
+    assert [int(cold.group(1)), int(cold.group(3))] == [len(cold_spec.tokens), len(cold_greedy.tokens)]
+    assert cold.group(2) == f"{cold_spec.total_s:.2f}" and cold.group(4) == f"{cold_greedy.total_s:.2f}"
+    speedup = (len(cold_spec.tokens) / cold_spec.total_s) / (len(cold_greedy.tokens) / cold_greedy.total_s)
+    assert cold.group(5) == f"{speedup:.2f}"
+    # From process start: the model load, then at least the cold call itself.
+    assert float(cold.group(6)) >= float(cold.group(7)) + cold_spec.total_s - 0.01
     return spec, sizes
 
 
@@ -308,7 +332,7 @@ def test_small_budgets_report_what_was_emitted(max_new_tokens, recorder, capsys)
     out = capsys.readouterr().out
     spec, _ = check_run(recorder, out, max_new_tokens)
     # Both decoders count the same tokens the same way: the prefill's token included.
-    assert recorder["greedy"][-1].tokens == spec.tokens
+    assert recorder["greedy"][-1].tokens == spec.tokens == recorder["spec"][0]["run"].tokens
     assert "same tokens as plain greedy decoding: True" in out
 
 
@@ -317,9 +341,9 @@ def test_tokens_cut_at_the_budget_are_not_counted(recorder, capsys):
     assert demo.main(["--max-new-tokens", "3", "--no-progress"]) == 0
     out = capsys.readouterr().out
     spec, sizes = check_run(recorder, out, 3)
-    assert sizes and sum(sizes) > 2 and spec.cut == sum(sizes) - 2
+    assert sizes and sum(sizes) > 2 and spec.stats.cut == sum(sizes) - 2
     assert f"mean acceptance length {2 / len(sizes):.2f} = 2 tokens emitted" in out
-    assert f"{spec.cut} tokens produced past the budget or end-of-sequence" in out
+    assert f"{spec.stats.cut} tokens produced past the budget or end-of-sequence" in out
 
 
 def test_sampling_small_budget(recorder, capsys):
@@ -435,3 +459,46 @@ def test_check_passes_on_a_gemma4_and_a_gpt_oss_target(kind, tmp_path, capsys):
     assert demo.main(argv) == 0
     out = capsys.readouterr().out
     assert "check: OK, the output equals plain greedy decoding (12 tokens)" in out, out
+
+
+# --------------------------------------------------------------------------------------------
+# Defects found as a new user: the flag named in an error, the tree reported
+# --------------------------------------------------------------------------------------------
+
+
+def test_missing_target_is_reported_as_the_target(capsys):
+    # With the built-in draft left as it is, the target that does not exist is the problem, not
+    # the draft that would not fit it.
+    assert_one_line(*exit_of(["--target", "/nonexistent"], capsys), "--target", "'/nonexistent'", "no such directory")
+
+
+@pytest.mark.parametrize("argv,size", [
+    ([], 16),  # the built-in CPU default: 16 tokens, depth 6, top-k 2
+    (["--total-tokens", "100", "--depth", "1", "--top-k", "2"], 7),  # root + 2 children + 2 x 2 grandchildren
+    (["--total-tokens", "5", "--depth", "3", "--top-k", "3"], 5),
+])
+def test_summary_reports_the_tree_actually_built(argv, size, monkeypatch, capsys):
+    """The summary names the tree the verify forwards got (their token count, seen by a hook),
+    not the --total-tokens asked for."""
+    seen = []
+    real_load = demo.load_models
+
+    def load_models(*a, **kw):
+        target, draft, tokenizer = real_load(*a, **kw)
+
+        def hook(module, args, kwargs):
+            if kwargs.get("tree_mask") is not None:
+                seen.append(kwargs["input_ids"].shape[1])
+
+        target.register_forward_pre_hook(hook, with_kwargs=True)
+        return target, draft, tokenizer
+
+    monkeypatch.setattr(demo, "load_models", load_models)
+    assert demo.main(argv + ["--max-new-tokens", "12", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert seen and set(seen) == {size}
+    args = demo.parse_args(argv)
+    line = f"tree: {size} tokens, depth {args.depth}, top-k {args.top_k}"
+    assert line in out, out
+    asked_more = f"--total-tokens {args.total_tokens} asked for more than depth {args.depth} and top-k {args.top_k} grow"
+    assert (asked_more in out) == (size < args.total_tokens), out

@@ -1,0 +1,254 @@
+"""GPU check of the Hopper Gluon main pass (torch_tree_attn/gluon_kernels.py): correctness
+against the float64 reference, then its time against the Triton path, under CUDA graphs.
+
+    python tests/gpu_gluon_check.py            # all phases, at most 3 minutes (each phase has a limit)
+    python tests/gpu_gluon_check.py --phase smoke|parity|bench
+
+Needs an sm_90 GPU, triton 3.6 (Gluon), and the package installed (its _C extension and
+prebuilt Triton kernels). Each phase runs in a child process with a time limit, so a hung
+kernel (a pipeline deadlock would hang, not fail) is reported and the next phase still
+runs; inside a phase every case catches its own exception.
+
+Phases:
+- smoke: two tiny calls (one split, two splits) against the reference.
+- parity: every case of tests/cases.py's parity matrix that covers() accepts, with the
+  plan's splits and with 3 forced splits; the non-finite matrix; long prefixes with many
+  splits; the 4-consumer-warp variant and 3 stages on a subset.
+- bench: B=1, Hq=32, Hkv=8, D=128, a random 64-node tree after P = 1024 / 4096 / 16384 /
+  65536 keys, bf16: the Gluon kernel (default config (8 consumer warps, 64-key tiles, 3 stages), and 2 / 4 stages, 4 consumer warps) and the Triton path
+  (torch_tree_attn.triton_backend.forward_with_lse, the C++ launcher), each captured in a
+  CUDA graph, median of replays; prints us and the ratio, and each output's max difference
+  from the Triton path's.
+"""
+import argparse
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PHASE_LIMITS = {"smoke": 45, "parity": 80, "bench": 55}  # 3 minutes in all, even if a phase hangs
+
+
+def _to(inputs, device):
+    import torch
+
+    return {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
+
+
+def _check(case, num_splits=None, config=None, inject=None):
+    from tests.cases import args_of, check_against_reference, inject_nonfinite, make_inputs
+    from torch_tree_attn import gluon_kernels as gk
+
+    inputs = make_inputs(case)
+    if inject is not None and not inject_nonfinite(inputs, inject, case.seed):
+        return None
+    cuda = _to(inputs, "cuda")
+    out, lse = gk.forward_with_lse_gluon(*args_of(cuda), num_splits=num_splits, config=config)
+    check_against_reference(out.cpu(), lse.cpu(), inputs)
+    return True
+
+
+class Tally:
+    def __init__(self, name):
+        self.name, self.ok, self.failed, self.skipped, self.t0 = name, 0, [], 0, time.time()
+
+    def run(self, label, fn):
+        try:
+            r = fn()
+            if r is None:
+                self.skipped += 1
+            else:
+                self.ok += 1
+        except Exception as e:  # noqa: BLE001 - report every failure, keep going
+            msg = f"{type(e).__name__}: {e}"
+            self.failed.append((label, msg))
+            if len(self.failed) <= 8:
+                print(f"  FAIL {label}\n    {msg[:600]}", flush=True)
+                if len(self.failed) <= 2:
+                    traceback.print_exc(limit=3)
+
+    def report(self):
+        print(f"[{self.name}] {self.ok} passed, {len(self.failed)} failed, {self.skipped} skipped "
+              f"({time.time() - self.t0:.1f} s)", flush=True)
+        for label, msg in self.failed[8:20]:
+            print(f"  FAIL {label}: {msg[:200]}")
+
+
+def phase_smoke():
+    import torch
+    from tests.cases import Case
+
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, "
+          f"capability {torch.cuda.get_device_capability()}", flush=True)
+    import triton
+
+    print(f"triton {triton.__version__}", flush=True)
+    t = Tally("smoke")
+    small = Case(B=2, Hq=8, Hkv=2, T=5, S=90, D=128, dtype=torch.bfloat16, seed=1)
+    t.run("tiny, 1 split", lambda: _check(small, num_splits=1))
+    t.run("tiny, 2 splits", lambda: _check(small, num_splits=2))
+    torch.cuda.synchronize()
+    t.report()
+    return not t.failed
+
+
+def phase_parity():
+    import torch
+    from tests.cases import Case, args_of, make_inputs, nonfinite_cases, parity_matrix
+    from torch_tree_attn import gluon_kernels as gk
+
+    cases = [c for c in parity_matrix() if gk.covers(*args_of(make_inputs(c)))]
+    print(f"{len(cases)} covered parity cases", flush=True)
+    t = Tally("parity, plan's splits")
+    for c in cases:
+        t.run(str(c), lambda c=c: _check(c))
+    t.report()
+    t = Tally("parity, 3 splits")
+    for c in cases:
+        t.run(str(c), lambda c=c: _check(c, num_splits=3))
+    t.report()
+    t = Tally("non-finite")
+    for c, kind in nonfinite_cases():
+        if c.dtype in gk.DTYPES and c.D in gk.HEAD_DIMS:
+            t.run(f"{kind} {c}", lambda c=c, kind=kind: _check(c, num_splits=None, inject=kind))
+            t.run(f"{kind} {c} 4 splits", lambda c=c, kind=kind: _check(c, num_splits=4, inject=kind))
+    t.report()
+    t = Tally("long prefixes")
+    for i, (D, dt, mk, extra) in enumerate([(128, torch.bfloat16, "bool", {}), (64, torch.float16, "float", {}),
+                                            (128, torch.float16, "bool", dict(softcap=30.0, sinks=torch.float32)),
+                                            (128, torch.bfloat16, "float", dict(kv_layout="bshd"))]):
+        c = Case(B=2, Hq=16, Hkv=4, T=37, S=5000, D=D, dtype=dt, mask_kind=mk, seed=900 + i, **extra)
+        for s in (None, 1, 7, 40):
+            t.run(f"{c} splits={s}", lambda c=c, s=s: _check(c, num_splits=s))
+    t.report()
+    t = Tally("parity, config (4, 64, 2) and (8, 64, 2)")
+    subset = [c for c in cases if c.dtype == torch.bfloat16 and c.D == 128][::3]
+    for c in subset:
+        t.run(f"cw4 {c}", lambda c=c: _check(c, num_splits=2, config=(4, 64, 2)))
+        t.run(f"st2 {c}", lambda c=c: _check(c, config=(8, 64, 2)))
+    t.report()
+    torch.cuda.synchronize()
+
+
+def phase_bench():
+    import torch
+    from tests.cases import random_tree_mask
+    from torch_tree_attn import gluon_kernels as gk
+    from torch_tree_attn import triton_backend
+
+    B, Hq, Hkv, D, T = 1, 32, 8, 128, 64
+
+    def graphed(fn, warmup=3):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        torch.cuda.synchronize()
+        return graph, out
+
+    def time_us(graph, iters=50, repeats=7):
+        graph.replay()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / iters)
+        return statistics.median(samples)
+
+    print(f"bench: B={B}, Hq={Hq}, Hkv={Hkv}, D={D}, T={T} random tree, bf16, CUDA graphs, "
+          f"device {torch.cuda.get_device_name()}", flush=True)
+    print(f"{'P':>6} {'triton us':>10} {'gluon us':>10} {'tri/glu':>7}  others (config: us)   max|gluon - triton|",
+          flush=True)
+    for P in (1024, 4096, 16384, 65536):
+        try:
+            gen = torch.Generator().manual_seed(P)
+            S = P + T
+            q = torch.randn(B, Hq, T, D, generator=gen).to(torch.bfloat16).cuda()
+            k = torch.randn(B, Hkv, S, D, generator=gen).to(torch.bfloat16).cuda()
+            v = torch.randn(B, Hkv, S, D, generator=gen).to(torch.bfloat16).cuda()
+            mask = random_tree_mask(T, gen)[None].cuda()
+            off = torch.tensor([P], device="cuda")
+            args = (q, k, v, mask, off, None, None, None)
+            g_tri, (o_tri, l_tri) = graphed(lambda: triton_backend.forward_with_lse(*args))
+            t_tri = time_us(g_tri)
+            results = {}
+            diffs = {}
+            for name, cfg in (("default", None), ("st2", (8, 64, 2)), ("st4", (8, 64, 4)), ("cw4", (4, 64, 2))):
+                try:
+                    g, (o, l) = graphed(lambda cfg=cfg: gk.forward_with_lse_gluon(*args, config=cfg))
+                    results[name] = time_us(g)
+                    diffs[name] = (o.float() - o_tri.float()).abs().max().item()
+                    dl = (l - l_tri).abs().max().item()
+                    if not (diffs[name] < 3e-2 and dl < 1e-2):
+                        print(f"  P={P} {name}: MISMATCH vs triton: max|out| diff {diffs[name]:.3g}, "
+                              f"max|lse| diff {dl:.3g}", flush=True)
+                    del g
+                except Exception as e:  # noqa: BLE001
+                    print(f"  P={P} {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            t_g = results.get("default", float("nan"))
+            others = ", ".join(f"{n}: {u:.1f}" for n, u in results.items() if n != "default")
+            print(f"{P:>6} {t_tri:>10.1f} {t_g:>10.1f} {t_tri / t_g:>6.2f}x  {others:<34} "
+                  f"{max(diffs.values()) if diffs else float('nan'):.3g}", flush=True)
+            # The plan's split count, and a small sweep around it (gluon default config).
+            R = (Hq // Hkv) * T
+            splits, wu = gk.choose_splits(S, T, -(-R // 128) * B * Hkv,
+                                          torch.cuda.get_device_properties(0).multi_processor_count, 64)
+            sweep = []
+            for s in sorted({max(1, splits // 2), splits, splits * 2}):
+                try:
+                    g, _ = graphed(lambda s=s: gk.forward_with_lse_gluon(*args, num_splits=s))
+                    sweep.append(f"s={s}: {time_us(g, iters=20, repeats=5):.1f}")
+                    del g
+                except Exception as e:  # noqa: BLE001
+                    sweep.append(f"s={s}: {type(e).__name__}")
+            print(f"        gluon split sweep (plan: {splits}): " + ", ".join(sweep), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  P={P}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            traceback.print_exc(limit=4)
+
+
+PHASES = {"smoke": phase_smoke, "parity": phase_parity, "bench": phase_bench}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=["all"] + list(PHASES), default="all")
+    args = ap.parse_args()
+    if args.phase != "all":
+        PHASES[args.phase]()
+        return
+    started = time.time()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    for name, limit in PHASE_LIMITS.items():
+        print(f"=== phase {name} (limit {limit} s)", flush=True)
+        try:
+            rc = subprocess.run([sys.executable, __file__, "--phase", name], cwd=str(ROOT), env=env,
+                                timeout=limit).returncode
+            if rc != 0:
+                print(f"=== phase {name} exited with {rc}", flush=True)
+        except subprocess.TimeoutExpired:
+            print(f"=== phase {name} TIMED OUT after {limit} s (a hung kernel, e.g. a pipeline deadlock, "
+                  f"looks like this)", flush=True)
+    print(f"=== done in {time.time() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
