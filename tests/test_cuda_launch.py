@@ -91,13 +91,13 @@ def test_prebuilt_table_covers_user_calls(name, arch):
 
 
 def test_plan_launch_is_the_plan_and_flags_what_the_kernels_need():
-    plan, main, reduce = _C.cuda_plan_launch(*_call(P=16384), arch=90, num_sms=132)
+    plan, main, reduce = _C.cuda_plan_launch(*_call(P=16384), arch=90, num_sms=132, kernel="triton")
     ref = heur.choose(128, True, 4 * 64, 8, 16384 + 64, 64, 132, T=64)
     assert (plan.block_m, plan.block_n, plan.num_splits, plan.window_units) == (
         ref.block_m, ref.block_n, ref.num_splits, ref.window_units)
     assert main["aligned"] == 1 and main["wide"] == 0 and main["skip_unseen"] == 0 and reduce["kind"] == 1
     # One split: no reduce kernel.
-    plan, _, reduce = _C.cuda_plan_launch(*_call(P=64), arch=90, num_sms=132)
+    plan, _, reduce = _C.cuda_plan_launch(*_call(P=64), arch=80, num_sms=132)
     assert plan.num_splits == 1 and reduce is None
     # Forced splits and tiles reach the plan; a bad config is a ValueError naming it.
     plan, main, _ = _C.cuda_plan_launch(*_call(), arch=90, num_sms=132, num_splits=5, config=[32, 64, 4, 2])
@@ -107,15 +107,146 @@ def test_plan_launch_is_the_plan_and_flags_what_the_kernels_need():
     # A query row stride not divisible by 16 elements: the unaligned variant.
     q, k, v, m, off, *rest = _call(T=8, D=64, Hq=4, Hkv=1, P=100)
     q_odd = torch.randn(1, 4, 8, 72, dtype=q.dtype)[..., :64]
-    _, main, _ = _C.cuda_plan_launch(q_odd, k, v, m, off, *rest, arch=90, num_sms=132)
+    _, main, _ = _C.cuda_plan_launch(q_odd, k, v, m, off, *rest, arch=90, num_sms=132, kernel="triton")
     assert main["aligned"] == 0
     # A tree mask of any T is fine for the aligned variant (the mask is not specialised).
-    _, main, _ = _C.cuda_plan_launch(*_call(T=61), arch=90, num_sms=132)
+    _, main, _ = _C.cuda_plan_launch(*_call(T=61), arch=90, num_sms=132, kernel="triton")
     assert main["aligned"] == 1
     # The contract's validation runs first, with its messages.
     q, k, v, m, *_ = _call()
     with pytest.raises(ValueError, match="mask query size"):
         _C.cuda_plan_launch(q, k, v, m[:, :5], arch=90, num_sms=132)
+
+
+# ---------------------------------------------------------------------------------------
+# The Hopper (sm_90, Gluon) main kernel: when the plan chooses it, its plan, its specs.
+
+def test_hopper_table_is_the_kernels_and_the_builds():
+    from torch_tree_attn import gluon_kernels as gk
+
+    assert _C.hopper_table() == gk.DEFAULT_CONFIG == build_kernels.hopper_table()
+    assert _C.HOPPER_WINDOW_COST == gk.WINDOW_COST
+
+
+@pytest.mark.parametrize("name", USER_CALLS)
+def test_hopper_is_chosen_on_sm90_for_what_it_covers(name):
+    """auto: the Hopper kernel on sm_90 for float16/bfloat16 calls with D in its table (and
+    K/V that TMA can address), the Triton kernel everywhere else; 'triton' forces the
+    portable kernel; 'hopper' raises for a call it does not cover, naming why."""
+    call = _call(**USER_CALLS[name])
+    q = call[0]
+    covered = q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in _C.hopper_table()
+    plan, main, _ = _C.cuda_plan_launch(*call, arch=90, num_sms=132)
+    assert (plan.kernel, main["kind"]) == (("hopper", 2) if covered else ("triton", 0))
+    assert (_C.cuda_hopper_why_not(*call) == "") == covered
+    for arch in (80, 89, 100):
+        plan, main, _ = _C.cuda_plan_launch(*call, arch=arch, num_sms=132)
+        assert (plan.kernel, main["kind"]) == ("triton", 0)
+        assert "sm_90" in _C.cuda_hopper_why_not(*call, arch=arch)
+    plan, main, _ = _C.cuda_plan_launch(*call, arch=90, num_sms=132, kernel="triton")
+    assert (plan.kernel, main["kind"]) == ("triton", 0)
+    if covered:
+        # A Triton tile override implies the Triton kernel.
+        plan, _, _ = _C.cuda_plan_launch(*call, arch=90, num_sms=132, config=[64, 64, 4, 3])
+        assert plan.kernel == "triton"
+    else:
+        with pytest.raises(ValueError, match="the Hopper kernel does not cover this call: (query|head dim)"):
+            _C.cuda_plan_launch(*call, arch=90, num_sms=132, kernel="hopper")
+
+
+def test_hopper_falls_back_where_tma_cannot_address_the_cache():
+    q, k, v, m, off, *rest = _call(P=1000)
+    assert _C.cuda_hopper_why_not(q, k, v, m, off) == ""
+    # K rows 129 elements apart (258 bytes): not a 16-byte multiple.
+    k_odd = torch.randn(k.shape[0], k.shape[1], k.shape[2], 129, dtype=k.dtype)[..., :128]
+    why = _C.cuda_hopper_why_not(q, k_odd, v, m, off)
+    assert "key's strides" in why and "16-byte" in why
+    plan, main, _ = _C.cuda_plan_launch(q, k_odd, v, m, off, *rest, arch=90, num_sms=132)
+    assert plan.kernel == "triton" and main["kind"] == 0
+    # A base one element past a 16-byte boundary.
+    flat = torch.randn(k.numel() + 8, dtype=k.dtype)
+    v_off = flat[1:1 + k.numel()].view(k.shape)
+    assert "value's data pointer is not 16-byte aligned" in _C.cuda_hopper_why_not(q, k, v_off, m, off)
+    # Mixed dtypes (a float32 query over a bf16 cache) and empty caches.
+    assert "query Float" in _C.cuda_hopper_why_not(q.float(), k, v, m, off)
+    with pytest.raises(ValueError, match="kernel must be 'auto', 'triton' or 'hopper', got 'cutlass'"):
+        _C.cuda_plan_launch(q, k, v, m, off, arch=90, num_sms=132, kernel="cutlass")
+
+
+@pytest.mark.parametrize("P,B,T,Hq", [(64, 1, 64, 32), (1024, 1, 64, 32), (4096, 1, 64, 32), (16384, 1, 64, 32),
+                                      (65536, 1, 64, 32), (16384, 8, 64, 32), (16384, 1, 16, 32), (300, 2, 7, 8)])
+def test_hopper_plan_is_the_kernels_model(P, B, T, Hq):
+    """The C++ Hopper plan (splits, window units, grid) is the one gluon_kernels' Python launcher
+    and its CPU tiling model use (gluon_kernels.choose_splits), and every key is covered."""
+    from torch_tree_attn import gluon_kernels as gk
+
+    call = _call(B=B, T=T, P=P, Hq=Hq)
+    plan, main, reduce = _C.cuda_plan_launch(*call, arch=90, num_sms=132)
+    cw, bn, stages = gk.DEFAULT_CONFIG[128]
+    S, M, G = P + T, T, Hq // 8
+    assert (plan.kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages) == ("hopper", 16 * cw, bn, cw,
+                                                                                          stages)
+    assert plan.row_blocks == -(-G * T // (16 * cw))
+    splits, window_units = gk.choose_splits(S, M, plan.row_blocks * B * 8, 132, bn)
+    assert (plan.num_splits, plan.window_units) == (splits, window_units)
+    assert main == dict(main, kind=2, block_m=16 * cw, block_n=bn, block_d=128, window_n=0, num_warps=cw,
+                        num_stages=stages, skip_unseen=0, aligned=1, wide=0)
+    assert (reduce is None) == (splits == 1)
+    covered = []
+    for split in range(plan.num_splits):
+        t_lo, t_hi, _, kend = gk.program_tiles(P, S, M, split, plan.num_splits, plan.window_units, bn)
+        covered += list(range(t_lo, t_hi))
+    assert covered == list(range(-(-S // bn)))
+
+
+def test_hopper_ptx_parameters_are_the_launchers(tmp_path):
+    """The Hopper kernel's parameter list, as ptxas sees it, is what csrc/cuda/tree_attn_cuda.cpp
+    passes: Q, K's tensor map (128 bytes, 64-aligned) with 4 int32 dims and 4 int64 strides,
+    V's likewise, 8 pointers, Q's 3 and the mask's 4 strides, 11 sizes, 2 floats, Triton's
+    scratch pointers; and the build records the tensor maps' encoding in the manifest."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import re
+
+    tc = _spec_fields()
+    for wide in (0, 1):
+        spec = dict.fromkeys(tc.SPEC_FIELDS, 0)
+        spec.update(kind=tc.HOPPER, arch=90, q_dtype=tc.DTYPE_CODES["fp16"], kv_dtype=tc.DTYPE_CODES["fp16"],
+                    head_dim=64, block_m=128, block_n=64, block_d=64, num_warps=8, num_stages=4, aligned=1,
+                    wide=wide)
+        compiled = tc.compile_spec(spec)
+        ptx = compiled.asm["ptx"]
+        entry = ptx[ptx.index(".entry"):ptx.index(")", ptx.index(".entry"))]
+        kinds = re.findall(r"\.param (\.u64 \.ptr|\.align 64 \.b8|\.u32|\.u64|\.f32)", entry)
+        i = "u64" if wide else "u32"
+        desc = [".align 64 .b8"] + [".u32"] * 4 + [".u64"] * 4
+        want = ([".u64 .ptr"] + desc + desc + [".u64 .ptr"] * 8 + ["." + i] * (3 + 4 + 11) + [".f32"] * 2
+                + [".u64 .ptr"] * tc.binary_of(compiled).scratch_args)
+        assert kinds == want
+        b = tc.binary_of(compiled)
+        assert b.num_warps == 12 and b.function == "_tree_attn_main_sm90"
+        assert [t["data_type"] for t in b.tma] == [6, 6]      # CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+        assert all(t["swizzle"] == 3 and t["elem_size"] == 2 and t["block"] == [1, 1, 64, 64] for t in b.tma)
+    bf = dict(spec, q_dtype=tc.DTYPE_CODES["bf16"], kv_dtype=tc.DTYPE_CODES["bf16"], wide=0)
+    manifest = build_kernels.build([90], tmp_path, jobs=1, log=lambda *_: None, specs=[bf])
+    (entry,) = manifest["kernels"]
+    assert entry["file"].startswith("hopper_sm90_bf16_bf16_d64")
+    assert [t["data_type"] for t in entry["tma"]] == [9, 9]   # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    _C.cuda_register_kernel(entry["spec"], b"", str(tmp_path / entry["file"]), entry["function"], entry["shared"],
+                            entry["num_warps"], entry["scratch_args"], True, entry["tma"])
+    assert _C.cuda_kernel_origin(entry["spec"]) == "prebuilt"
+    with pytest.raises(ValueError, match="block must have 4 dims"):
+        _C.cuda_register_kernel(dict(entry["spec"], num_stages=9), b"\0", "", "f", 0, 12, 2, False,
+                                [dict(data_type=9, elem_size=2, swizzle=3, block=[64, 64])])
+
+
+def test_prebuilt_table_has_the_hopper_kernels():
+    specs = build_kernels.prebuilt_specs([90])
+    hopper = [s for s in specs if s["kind"] == 2]
+    if not build_kernels.have_gluon():
+        assert hopper == []
+        pytest.skip("triton without Gluon's Hopper module: no Hopper kernels to prebuild")
+    assert len(hopper) == 2 * len(_C.hopper_table()) * 4
+    assert not [s for s in build_kernels.prebuilt_specs([80]) if s["kind"] == 2]
 
 
 def test_cuda_entry_rejects_cpu_tensors():
@@ -208,15 +339,19 @@ def test_driver_declarations_match_cuda_h(tmp_path):
     names = ["CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT", "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR",
              "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR", "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN",
              "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES", "CU_FUNC_ATTRIBUTE_NUM_REGS",
-             "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", "CU_FUNC_CACHE_PREFER_SHARED"]
+             "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", "CU_FUNC_CACHE_PREFER_SHARED",
+             "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", "CU_TENSOR_MAP_INTERLEAVE_NONE",
+             "CU_TENSOR_MAP_SWIZZLE_128B", "CU_TENSOR_MAP_L2_PROMOTION_L2_128B", "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE"]
     funcs = ["cuInit", "cuGetErrorString", "cuDeviceGet", "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain",
              "cuCtxGetCurrent", "cuCtxSetCurrent", "cuModuleLoadData", "cuModuleGetFunction", "cuFuncGetAttribute",
-             "cuFuncSetAttribute", "cuFuncSetCacheConfig", "cuLaunchKernel"]
+             "cuFuncSetAttribute", "cuFuncSetCacheConfig", "cuLaunchKernel", "cuTensorMapEncodeTiled"]
     src = ['#include <cuda.h>', '#include <type_traits>', '#include "cuda/driver.h"',
            'namespace d = tree_attn::cuda_driver;']
     src += [f'static_assert(int(::{n}) == d::{n}, "{n}");' for n in names]
     src += ['static_assert(sizeof(d::CUdeviceptr) == sizeof(::CUdeviceptr), "CUdeviceptr");',
             'static_assert(sizeof(d::CUdevice) == sizeof(::CUdevice), "CUdevice");',
+            'static_assert(sizeof(d::CUtensorMap) == sizeof(::CUtensorMap), "CUtensorMap size");',
+            'static_assert(alignof(d::CUtensorMap) == alignof(::CUtensorMap), "CUtensorMap alignment");',
             'static_assert(std::is_same_v<std::underlying_type_t<::CUresult>, unsigned> || sizeof(::CUresult) == sizeof(d::CUresult), "CUresult");']
     # Each function pointer type has the real function's arity and parameter sizes.
     src += ['template <class R, class... A> constexpr int arity(R (*)(A...)) { return sizeof...(A); }']

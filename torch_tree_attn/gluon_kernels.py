@@ -472,15 +472,18 @@ if HAVE_GLUON:
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)
         split = gl.program_id(2)
-        b = bh // Hkv
-        kvh = bh % Hkv
+        b = (bh // Hkv).to(gl.int32)   # B * Hkv <= 65535 (the grid): int32 whatever Hkv's width
+        kvh = (bh % Hkv).to(gl.int32)
 
-        off = S * 0
+        # Key indices are int32 (S < 2^31 is covered), whatever width the sizes came in
+        # (compiled ``wide``: int64 sizes and strides for a huge query or mask).
+        S32 = S.to(gl.int32)
+        off = pid_m * 0
         if off_kind == 1:
             off = gl.load(OFF.to(gl.pointer_type(gl.int32)) + b)
         elif off_kind == 2:
             off = gl.minimum(gl.maximum(gl.load(OFF.to(gl.pointer_type(gl.int64)) + b), -1), S).to(gl.int32)
-        off = gl.minimum(gl.maximum(off, 0), S)
+        off = gl.minimum(gl.maximum(off, 0), S32)
         kend = gl.minimum(off.to(gl.int64) + M, S).to(gl.int32)
         n_prefix = off // BLOCK_N
         per_split = gl.cdiv(n_prefix + window_units, num_splits)
@@ -489,7 +492,9 @@ if HAVE_GLUON:
         p_hi = gl.minimum(p_lo + per_split, n_prefix)
         t_lo = gl.where(is_last, gl.minimum(p_lo, n_prefix), p_lo)
         t_hi = gl.where(is_last, gl.cdiv(kend, BLOCK_N), gl.maximum(p_hi, p_lo))
-        n_tiles = gl.maximum(t_hi - t_lo, 0)
+        n_tiles = gl.maximum(t_hi - t_lo, 0).to(gl.int32)
+        t_lo = t_lo.to(gl.int32)
+        n_prefix = n_prefix.to(gl.int32)
 
         dtype: gl.constexpr = k_desc.dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype)
@@ -620,39 +625,19 @@ def _tma_strides(t: torch.Tensor) -> list:
 
 def why_not(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None, *,
             require_gluon: bool = True) -> Optional[str]:
-    """None when forward_with_lse_gluon handles the call (on an sm_90 GPU), else the reason.
-    Looks at metadata only (no device sync). Covered: float16/bfloat16 query = key = value,
-    D in {64, 128}, bool or floating masks of any broadcast shape, any offsets (clamped on the
-    device), softcap, sinks, any GQA ratio and tree size; K/V with any strides whose base and
-    strides are 16-byte multiples (TMA; a K/V with stride(-1) != 1 is first copied
-    contiguous by prepare(), which then satisfies it); 1 <= S < 2^31; B * Hkv <= 65535.
-    require_gluon=False: the case's shape alone (the CPU model tests)."""
+    """None when the Hopper kernel handles the call on an sm_90 GPU, else the reason: the C++
+    launcher's own test (csrc/cuda/tree_attn_cuda.cpp, hopper_why_not), which the plan uses
+    to choose it. Covered: float16/bfloat16 query = key = value, D in the Hopper table (64,
+    128), bool or floating masks of any broadcast shape, any offsets (clamped on the device),
+    softcap, sinks, any GQA ratio and tree size; K/V whose base and strides TMA can address
+    (16-byte multiples); 1 <= S < 2^31; B * Hkv <= 65535. Looks at metadata only (no device
+    sync). require_gluon=False: the case's shape alone (the CPU model tests)."""
+    from . import _C
+
     if require_gluon and not HAVE_GLUON:
         return "triton with Gluon's Hopper module is not importable"
-    if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
-        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}: only float16 or bfloat16, one dtype for all three"
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return "ranks"
-    D = query.shape[-1]
-    if D not in HEAD_DIMS:
-        return f"head dim {D} (covered: {HEAD_DIMS})"
-    B, Hkv, S = key.shape[0], key.shape[1], key.shape[2]
-    if not 1 <= S < 2**31:
-        return f"S={S}"
-    if B * Hkv > 65535:
-        return f"B * Hkv = {B * Hkv} > 65535 (grid)"
-    elem = key.element_size()
-    for name, t in (("key", key), ("value", value)):
-        if t.stride(-1) != 1:
-            continue  # prepare() copies it contiguous: aligned
-        if t.data_ptr() % 16:
-            return f"{name}'s base is not 16-byte aligned (TMA)"
-        for i in range(3):
-            if t.size(i) > 1 and (t.stride(i) * elem) % 16:
-                return f"{name}'s stride {t.stride(i)} along dim {i} is not a 16-byte multiple (TMA)"
-            if t.size(i) > 1 and t.stride(i) * elem >= 2**40:
-                return f"{name}'s stride along dim {i} is too large for TMA"
-    return None
+    reason = _C.cuda_hopper_why_not(query, key, value, mask, mask_offset, scale, softcap, sinks, arch=90)
+    return reason or None
 
 
 def covers(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None, *,
@@ -682,9 +667,6 @@ def forward_with_lse_gluon(query, key, value, mask, mask_offset=None, scale=None
     lse = torch.empty((pb.B, pb.Hq, pb.T), dtype=torch.float32, device=q.device)
     if pb.empty:
         return out, lse
-    reason = why_not(q, k, v, m)  # the prepared tensors (a copied K/V is re-checked)
-    if reason is not None:
-        raise NotImplementedError(f"forward_with_lse_gluon does not cover this call: {reason}")
     if pb.scale < 0:
         q = torch.neg(q)
     cw, bn, st = config or DEFAULT_CONFIG[pb.D]

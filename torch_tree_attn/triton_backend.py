@@ -40,12 +40,12 @@ def compile_for_launcher(spec: dict) -> tuple:
     from . import triton_compile
 
     b = triton_compile.binary_of(triton_compile.compile_spec(spec))
-    return b.cubin, b.function, b.shared, b.num_warps, b.scratch_args
+    return b.cubin, b.function, b.shared, b.num_warps, b.scratch_args, list(b.tma)
 
 
 def load_manifest(path: pathlib.Path = MANIFEST) -> list:
     """The prebuilt kernels' entries ({"spec", "file", "function", "shared", "num_warps",
-    "scratch_args"}), or [] where none were built."""
+    "scratch_args", "tma"}), or [] where none were built."""
     if not path.is_file():
         return []
     with open(path) as f:
@@ -71,8 +71,17 @@ def register() -> None:
     prebuilt = os.environ.get("TORCH_TREE_ATTN_NO_PREBUILT", "0") in ("", "0")
     for entry in load_manifest() if prebuilt else ():
         _C.cuda_register_kernel(entry["spec"], b"", str(KERNELS_DIR / entry["file"]), entry["function"],
-                                entry["shared"], entry["num_warps"], entry["scratch_args"], True)
+                                entry["shared"], entry["num_warps"], entry["scratch_args"], True,
+                                entry.get("tma", []))
     _C.cuda_set_compiler(compile_for_launcher)
+    # TORCH_TREE_ATTN_CUDA_KERNEL: the main kernel on sm_90: "auto" (the Hopper kernel for the
+    # calls it covers, the default), "triton" (always the portable kernel), "hopper" (raise
+    # for a call it does not cover).
+    choice = os.environ.get("TORCH_TREE_ATTN_CUDA_KERNEL", "auto").strip().lower() or "auto"
+    try:
+        _C.cuda_set_kernel_choice(choice)
+    except ValueError as e:
+        raise ValueError(f"TORCH_TREE_ATTN_CUDA_KERNEL: {e}") from None
     _registered = True
 
 
@@ -89,7 +98,8 @@ def _interpret(query, key, value, mask, mask_offset, scale, softcap, sinks, num_
         return out, lse
     plan, spec, reduce_spec = _C.cuda_plan_launch(query, key, value, mask, mask_offset, scale, softcap, sinks,
                                                   arch=90, num_sms=INTERPRETER_SMS, num_splits=num_splits,
-                                                  config=list(config) if config is not None else None)
+                                                  config=list(config) if config is not None else None,
+                                                  kernel="triton")
     if pb.scale < 0:
         q = torch.neg(q)
     if (plan.block_n - 1) * max(pb.k_stride[2], pb.v_stride[2]) + plan.block_d >= 2**31:
@@ -131,14 +141,20 @@ def _interpret(query, key, value, mask, mask_offset, scale, softcap, sinks, num_
 
 
 def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None, *,
-                     num_splits: Optional[int] = None, config: Optional[tuple] = None
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+                     num_splits: Optional[int] = None, config: Optional[tuple] = None,
+                     kernel: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The op's semantics with the plan overridden: `num_splits` key splits, `config` =
-    (BLOCK_M, BLOCK_N, num_warps, num_stages[, WINDOW_N]) tiles. CUDA tensors go through
-    the C++ launcher; CPU tensors need TRITON_INTERPRET=1. Never syncs with the device."""
+    (BLOCK_M, BLOCK_N, num_warps, num_stages[, WINDOW_N]) Triton tiles, `kernel` = "auto",
+    "triton" or "hopper" (the main kernel; None: the process default). CUDA tensors go
+    through the C++ launcher; CPU tensors need TRITON_INTERPRET=1 (the Triton kernel).
+    Never syncs with the device."""
     if query.device.type == "cuda":
         return _C.cuda_forward_with_lse(query, key, value, mask, mask_offset, scale, softcap, sinks,
-                                        num_splits=num_splits, config=list(config) if config is not None else None)
+                                        num_splits=num_splits, config=list(config) if config is not None else None,
+                                        kernel=kernel)
+    if kernel == "hopper":
+        raise ValueError("triton_backend.forward_with_lse: the Hopper kernel runs on sm_90 GPUs only, not under "
+                         "the interpreter")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise RuntimeError("triton_backend.forward_with_lse: CPU tensors run only under TRITON_INTERPRET=1 "
                            f"(set before triton is imported); got query on {query.device}")

@@ -1,4 +1,5 @@
-"""One kernel variant of the CUDA backend, from its spec to a cubin: the build's prebuilt
+"""One kernel variant of the CUDA backend, from its spec to a cubin (the Triton main and
+reduce kernels, and the Hopper Gluon main kernel of gluon_kernels.py): the build's prebuilt
 kernels (csrc/cuda/build_kernels.py) and the runtime's compile-once fallback
 (triton_backend.compile_for_launcher) both go through `compile_spec`, so a prebuilt kernel
 and a fallback one of the same spec are the same binary with the same parameter list.
@@ -19,11 +20,12 @@ import dataclasses
 import inspect
 from typing import Dict, Tuple
 
-# The spec's fields, in order. kind: 0 main pass, 1 reduce pass. Dtypes by DTYPE_CODES.
+# The spec's fields, in order. kind: 0 main pass (Triton), 1 reduce pass, 2 main pass (Hopper,
+# Gluon: num_warps = its consumer warps, num_stages = its K/V ring slots). Dtypes by DTYPE_CODES.
 SPEC_FIELDS = ("kind", "arch", "q_dtype", "kv_dtype", "head_dim", "block_m", "block_n", "block_d", "window_n",
                "block_r", "chunk", "num_warps", "num_stages", "mask_float", "softcap", "skip_unseen", "aligned",
                "wide")
-MAIN, REDUCE = 0, 1
+MAIN, REDUCE, HOPPER = 0, 1, 2
 DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 # The kernels ask for FP fusion explicitly (each prefix exponent is one FMA) whatever
@@ -41,12 +43,16 @@ class Binary:
     scratch_args: int
     n_regs: int = -1      # from ptxas where known (-1: not reported)
     n_spills: int = -1
+    # One per tensor-descriptor parameter (the Hopper kernel's K and V): how the launcher
+    # encodes its CUtensorMap: {"data_type" (host CUtensorMapDataType), "elem_size",
+    # "swizzle", "block" (box dims, outermost first)}.
+    tma: tuple = ()
 
 
 def spec_name(spec: Dict[str, int]) -> str:
     """A file name for a spec: every field, so distinct specs never collide."""
-    if spec["kind"] == MAIN:
-        head = (f"main_sm{spec['arch']}_{DTYPE_NAMES[spec['q_dtype']]}_{DTYPE_NAMES[spec['kv_dtype']]}"
+    if spec["kind"] in (MAIN, HOPPER):
+        head = (f"{'main' if spec['kind'] == MAIN else 'hopper'}_sm{spec['arch']}_{DTYPE_NAMES[spec['q_dtype']]}_{DTYPE_NAMES[spec['kv_dtype']]}"
                 f"_d{spec['head_dim']}_m{spec['block_m']}n{spec['block_n']}w{spec['window_n']}")
     else:
         head = f"reduce_sm{spec['arch']}_{DTYPE_NAMES[spec['q_dtype']]}_d{spec['head_dim']}_r{spec['block_r']}c{spec['chunk']}"
@@ -109,6 +115,13 @@ def compile_spec(spec: Dict[str, int]):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if spec["kind"] == HOPPER:
+        from . import gluon_kernels
+
+        return gluon_kernels.compile_variant(
+            DTYPE_NAMES[spec["q_dtype"]], spec["head_dim"], bool(spec["mask_float"]), bool(spec["softcap"]),
+            consumer_warps=spec["num_warps"], block_n=spec["block_n"], stages=spec["num_stages"], arch=spec["arch"],
+            wide=bool(spec["wide"]), aligned=bool(spec["aligned"]))
     fn = _kernel_and_types(spec)[0]
     sig, constexprs, attrs = triton_signature(spec)
     options = dict(num_warps=spec["num_warps"], num_stages=max(1, spec["num_stages"]), enable_fp_fusion=FP_FUSION)
@@ -122,6 +135,21 @@ def binary_of(compiled) -> Binary:
         raise RuntimeError(f"{md.name}: the kernel asks for Triton scratch memory, which the launcher does not pass")
     # Triton 3.5+ appends two scratch pointers (global, profile); earlier releases one.
     scratch_args = 2 if hasattr(md, "profile_scratch_size") else 1
+    tma = tuple(_tma_entry(meta) for meta in (getattr(md, "tensordesc_meta", None) or ()))
     return Binary(cubin=compiled.asm["cubin"], function=md.name, shared=int(md.shared), num_warps=int(md.num_warps),
                   scratch_args=scratch_args, n_regs=int(getattr(compiled, "n_regs", -1) or -1),
-                  n_spills=int(getattr(compiled, "n_spills", -1) or -1))
+                  n_spills=int(getattr(compiled, "n_spills", -1) or -1), tma=tma)
+
+
+# Triton's tensordesc metadata names the element type by the device-side (PTX) numbering;
+# cuTensorMapEncodeTiled takes the host enum, which differs for these three codes (triton's
+# nvidia driver.py, TMA_DTYPE_DEVICE_TO_HOST).
+_TMA_DEVICE_TO_HOST = {8: 10, 9: 8, 10: 9}
+
+
+def _tma_entry(meta) -> dict:
+    if meta.get("fp4_padded"):
+        raise RuntimeError("fp4-padded tensor descriptors are not supported by the launcher")
+    return dict(data_type=_TMA_DEVICE_TO_HOST.get(int(meta["elem_type"]), int(meta["elem_type"])),
+                elem_size=int(meta["elem_size"]), swizzle=int(meta["swizzle"]),
+                block=[int(b) for b in meta["block_size"]])

@@ -7,7 +7,9 @@ The table: the tiles of csrc/cuda/tile_configs.def (the plan's own table) for th
 dtypes users serve models in, every row-block size the plan can pick for them (powers of 2
 from 16 up to the table's BLOCK_M), both mask kinds, softcap on and off, the window loop
 with and without its skip test; pointers and row strides 16-aligned, int32 sizes (what
-every cache layout the package builds gives). Everything else -- a float32 query, another
+every cache layout the package builds gives). For sm_90 also the Hopper (Gluon) main kernel's
+rows of the table: every head dim it has, float16/bfloat16, both mask kinds, softcap on and
+off (where triton has Gluon's Hopper module). Everything else -- a float32 query, another
 head dim, another architecture, an unaligned or huge call -- is compiled once per process
 at run time by the same code (torch_tree_attn/triton_compile.py).
 
@@ -63,6 +65,25 @@ def _compile_module():
     return tc
 
 
+def hopper_table():
+    """{D: (CONSUMER_WARPS, BLOCK_N, STAGES)} of the Hopper kernel, from tile_configs.def."""
+    table = {}
+    for line in TABLE.read_text().splitlines():
+        m = re.match(r"\s*TREE_ATTN_HOPPER_TILE\(([^)]*)\)", line)
+        if m:
+            d, *nums = [int(x.strip()) for x in m.group(1).split(",")]
+            table[d] = tuple(nums)
+    return table
+
+
+def have_gluon():
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except Exception:  # noqa: BLE001 - no triton, or one without Gluon's Hopper module
+        return False
+    return True
+
+
 def next_pow2(x):
     return 1 << (max(1, x) - 1).bit_length()
 
@@ -86,6 +107,14 @@ def prebuilt_specs(archs):
             bm *= 2
         specs.append(dict(base, kind=tc.REDUCE, block_r=max(1, REDUCE_ELEMS // next_pow2(D)), chunk=REDUCE_CHUNK,
                           num_warps=REDUCE_WARPS, num_stages=1))
+    if 90 in archs and have_gluon():
+        for dtype, (D, (cw, bn, stages)) in itertools.product(PREBUILT_DTYPES, sorted(hopper_table().items())):
+            code = tc.DTYPE_CODES[dtype]
+            base = dict.fromkeys(tc.SPEC_FIELDS, 0)
+            base.update(kind=tc.HOPPER, arch=90, q_dtype=code, kv_dtype=code, head_dim=D, block_m=16 * cw,
+                        block_n=bn, block_d=D, num_warps=cw, num_stages=stages, aligned=1, wide=0)
+            for mask_float, softcap in itertools.product((0, 1), (0, 1)):
+                specs.append(dict(base, mask_float=mask_float, softcap=softcap))
     return specs
 
 
@@ -97,16 +126,17 @@ def _build_one(args):
     name = tc.spec_name(spec) + ".cubin"
     (pathlib.Path(out_dir) / name).write_bytes(b.cubin)
     return dict(spec=spec, file=name, function=b.function, shared=b.shared, num_warps=b.num_warps,
-                scratch_args=b.scratch_args)
+                scratch_args=b.scratch_args, tma=list(b.tma))
 
 
 def source_hash(archs):
     import triton
 
     h = hashlib.sha256()
-    for p in (PACKAGE / "triton_kernels.py", PACKAGE / "triton_compile.py", TABLE, pathlib.Path(__file__)):
+    for p in (PACKAGE / "triton_kernels.py", PACKAGE / "gluon_kernels.py", PACKAGE / "triton_compile.py", TABLE,
+              pathlib.Path(__file__)):
         h.update(p.read_bytes())
-    h.update(f"triton {triton.__version__} archs {sorted(archs)}".encode())
+    h.update(f"triton {triton.__version__} archs {sorted(archs)} gluon {have_gluon()}".encode())
     return h.hexdigest()
 
 

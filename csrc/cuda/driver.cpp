@@ -33,6 +33,8 @@ std::unique_ptr<Driver> load() {
   bind(lib, d->cuFuncSetAttribute, "cuFuncSetAttribute");
   bind(lib, d->cuFuncSetCacheConfig, "cuFuncSetCacheConfig");
   bind(lib, d->cuLaunchKernel, "cuLaunchKernel");
+  d->cuTensorMapEncodeTiled =
+      reinterpret_cast<decltype(d->cuTensorMapEncodeTiled)>(dlsym(lib, "cuTensorMapEncodeTiled"));
   {
     const CUresult r = d->cuInit(0);
     TORCH_CHECK(r == CUDA_SUCCESS, "tree_attn: cuInit failed with CUDA driver error ", r);

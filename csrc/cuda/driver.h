@@ -28,6 +28,18 @@ inline constexpr int CU_FUNC_ATTRIBUTE_NUM_REGS = 4;
 inline constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 inline constexpr int CU_FUNC_CACHE_PREFER_SHARED = 1;
 
+// Tensor maps (TMA descriptors, the Hopper kernel's K/V operands): an opaque 128-byte object
+// (aligned as cuda.h 12.x+ aligns it), encoded on the host and passed to the kernel by value.
+struct alignas(128) CUtensorMap {
+  uint64_t opaque[16];
+};
+inline constexpr int CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6;
+inline constexpr int CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9;
+inline constexpr int CU_TENSOR_MAP_INTERLEAVE_NONE = 0;
+inline constexpr int CU_TENSOR_MAP_SWIZZLE_128B = 3;
+inline constexpr int CU_TENSOR_MAP_L2_PROMOTION_L2_128B = 2;
+inline constexpr int CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0;
+
 struct Driver {
   CUresult (*cuInit)(unsigned int);
   CUresult (*cuGetErrorString)(CUresult, const char**);
@@ -43,6 +55,12 @@ struct Driver {
   CUresult (*cuFuncSetCacheConfig)(CUfunction, int);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              CUstream, void**, void**);
+  // Enum arguments as int (C enums are int-sized). Null where the driver predates it
+  // (CUDA < 12); the Hopper kernel is then not chosen.
+  CUresult (*cuTensorMapEncodeTiled)(CUtensorMap*, int data_type, uint32_t rank, void* global_address,
+                                     const uint64_t* global_dim, const uint64_t* global_strides,
+                                     const uint32_t* box_dim, const uint32_t* element_strides, int interleave,
+                                     int swizzle, int l2_promotion, int oob_fill);
 };
 
 // The driver, loaded once per process; throws (c10::Error) if libcuda.so.1 is missing.

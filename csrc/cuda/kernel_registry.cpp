@@ -88,6 +88,7 @@ LoadedKernel load(const KernelBinary& b, int device) {
   k.shared = b.shared;
   k.threads = 32 * b.num_warps;
   k.scratch_args = b.scratch_args;
+  k.tma = b.tma;
   return k;
 }
 

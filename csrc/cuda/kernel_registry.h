@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cuda/driver.h"
 
@@ -20,14 +21,14 @@ namespace tree_attn::cuda {
 // torch_tree_attn/triton_compile.py's SPEC_FIELDS (a test holds them equal); dtypes are
 // its DTYPE_CODES. Fields a kernel kind does not use stay 0.
 struct KernelSpec {
-  int32_t kind = 0;         // 0 main pass, 1 reduce pass
+  int32_t kind = 0;         // 0 main pass (Triton), 1 reduce pass, 2 main pass (Hopper, Gluon)
   int32_t arch = 0;         // compute capability, major * 10 + minor
   int32_t q_dtype = 0;      // query / output
   int32_t kv_dtype = 0;     // key / value (main)
   int32_t head_dim = 0;
-  int32_t block_m = 0, block_n = 0, block_d = 0, window_n = 0;  // main tiles
+  int32_t block_m = 0, block_n = 0, block_d = 0, window_n = 0;  // main tiles (Hopper: window_n 0)
   int32_t block_r = 0, chunk = 0;                               // reduce tiles
-  int32_t num_warps = 0, num_stages = 0;
+  int32_t num_warps = 0, num_stages = 0;  // Hopper: consumer warps, K/V ring slots
   int32_t mask_float = 0, softcap = 0, skip_unseen = 0;         // main variants
   int32_t aligned = 0;      // pointers and row strides divisible by 16
   int32_t wide = 0;         // sizes and strides int64 (else int32)
@@ -49,6 +50,17 @@ using SpecKey = std::array<int32_t, kNumSpecFields>;
 SpecKey key_of(const KernelSpec& s);
 
 enum class DtypeCode : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+enum class KernelKind : int32_t { Main = 0, Reduce = 1, HopperMain = 2 };
+
+// How a kernel's tensor-descriptor parameter is encoded (Triton's tensordesc metadata): the
+// launcher builds the CUtensorMap of each call with these and the tensor's own shape and
+// strides.
+struct TmaMeta {
+  int data_type = 0;        // CUtensorMapDataType (host enum)
+  int elem_size = 0;        // bytes
+  int swizzle = 0;          // CUtensorMapSwizzle
+  std::vector<uint32_t> block;  // box dims, outermost first (as Triton lists them)
+};
 
 // A compiled kernel: its cubin (bytes, or a file read at first load), entry point and
 // launch facts as Triton reported them.
@@ -59,6 +71,7 @@ struct KernelBinary {
   int shared = 0;           // dynamic shared memory, bytes
   int num_warps = 0;
   int scratch_args = 2;     // Triton's trailing scratch pointers, passed as null
+  std::vector<TmaMeta> tma; // one per tensor-descriptor parameter, in order
   bool prebuilt = false;
 };
 
@@ -67,6 +80,7 @@ struct LoadedKernel {
   int shared = 0;
   int threads = 0;
   int scratch_args = 2;
+  std::vector<TmaMeta> tma;
 };
 
 class KernelRegistry {

@@ -19,12 +19,26 @@ struct TableRow {
 #define half true
 #define f32 false
 #define TREE_ATTN_TILE(D, kind, bm, bn, warps, stages, wn) {D, kind, {bm, bn, warps, stages, wn}},
+#define TREE_ATTN_HOPPER_TILE(D, cw, bn, stages)
 constexpr TableRow kTable[] = {
 #include "cuda/tile_configs.def"
 };
 #undef TREE_ATTN_TILE
+#undef TREE_ATTN_HOPPER_TILE
 #undef half
 #undef f32
+
+struct HopperRow {
+  int64_t D;
+  HopperConfig config;
+};
+#define TREE_ATTN_TILE(D, kind, bm, bn, warps, stages, wn)
+#define TREE_ATTN_HOPPER_TILE(D, cw, bn, stages) {D, {cw, bn, stages}},
+constexpr HopperRow kHopperTable[] = {
+#include "cuda/tile_configs.def"
+};
+#undef TREE_ATTN_TILE
+#undef TREE_ATTN_HOPPER_TILE
 
 }  // namespace
 
@@ -39,6 +53,40 @@ TileConfig table_config(int64_t D, bool half_dot) {
     if (row.D == D && row.half == half_dot) return row.config;
   TORCH_CHECK_VALUE(false, "no Triton tile configuration for head dim D=", D, " (", half_dot ? "half" : "float32",
                     " dot)");
+}
+
+std::optional<HopperConfig> hopper_config(int64_t D) {
+  for (const auto& row : kHopperTable)
+    if (row.D == D) return row.config;
+  return std::nullopt;
+}
+
+Plan choose_hopper(int64_t D, int64_t rows_per_head, int64_t batch_heads, int64_t S, int64_t M, int num_sms,
+                   std::optional<int> num_splits) {
+  const auto c = hopper_config(D);
+  TORCH_CHECK_VALUE(c.has_value(), "the Hopper kernel has no tiles for head dim D=", D);
+  Plan p;
+  p.kernel = MainKernel::Hopper;
+  p.block_m = 16 * c->consumer_warps;
+  p.block_n = c->block_n;
+  p.block_d = int(D);
+  p.window_n = 0;
+  p.num_warps = c->consumer_warps;
+  p.num_stages = c->stages;
+  p.row_blocks = cdiv(rows_per_head, p.block_m);
+  const int64_t window = std::min(M, S);
+  p.window_units = window > 0 ? int(std::ceil(double(cdiv(window, p.block_n)) * kHopperWindowCost)) : 0;
+  if (num_splits) {
+    TORCH_CHECK_VALUE(*num_splits >= 1, "num_splits must be >= 1, got ", *num_splits);
+    p.num_splits = *num_splits;
+  } else {
+    // 8 consumer warps fill an SM's registers and most of its shared memory: one program per SM.
+    p.num_splits = choose_splits(cdiv(std::max<int64_t>(S - M, 0), p.block_n), p.window_units,
+                                 p.row_blocks * batch_heads, num_sms, c->consumer_warps == 4 ? 2 : 1);
+  }
+  p.skip_unseen = false;
+  p.reduce_block_r = reduce_block(p.block_d);
+  return p;
 }
 
 bool skip_unseen(int64_t T, int64_t M, int block_m, int window_n) { return T > block_m || M >= T + window_n; }

@@ -29,13 +29,18 @@ struct TileConfig {
   int block_m = 0, block_n = 0, num_warps = 0, num_stages = 0, window_n = 0;
 };
 
+// Which main kernel a plan launches: the portable Triton kernel, or the Hopper (sm_90)
+// Gluon kernel (TMA producer warp, wgmma consumer warpgroups).
+enum class MainKernel : int { Triton = 0, Hopper = 1 };
+
 struct Plan {
+  MainKernel kernel = MainKernel::Triton;
   int block_m = 0;       // rows per program (a power of 2 >= 16)
   int block_n = 0;       // keys per prefix tile
   int block_d = 0;       // head dims per tile: next power of 2 of D
-  int window_n = 0;      // keys per window sub-tile (divides block_n)
-  int num_warps = 0;
-  int num_stages = 0;
+  int window_n = 0;      // keys per window sub-tile (divides block_n); 0 for Hopper
+  int num_warps = 0;     // Hopper: the consumer warps (the producer's warpgroup comes on top)
+  int num_stages = 0;    // Hopper: K/V ring slots
   int64_t row_blocks = 0;  // programs along a kv head's rows: ceil(G*T / block_m)
   int num_splits = 1;      // programs along the keys; 1 = no reduce kernel
   int window_units = 0;    // the window's share of the split work, in prefix tiles
@@ -75,6 +80,20 @@ Plan choose(int64_t D, bool half_dot, int64_t T, int64_t rows_per_head, int64_t 
 // to its own, so only when a block holds part of a tree (T > block_m) or the window is
 // wider than the tree.
 bool skip_unseen(int64_t T, int64_t M, int block_m, int window_n);
+
+// The Hopper kernel's table row for D (tile_configs.def), or nullopt for a D it lacks.
+struct HopperConfig {
+  int consumer_warps = 0, block_n = 0, stages = 0;
+};
+std::optional<HopperConfig> hopper_config(int64_t D);
+// A window tile of the Hopper kernel costs this many prefix tiles in the split balance (its
+// mask loads, selections and V fix-up); the kernel takes window_units in these units.
+inline constexpr double kHopperWindowCost = 2.0;
+
+// The Hopper kernel's plan of one call (same grid and split semantics as the Triton
+// kernel's, in its own tiles); the table row must exist (hopper_config).
+Plan choose_hopper(int64_t D, int64_t rows_per_head, int64_t batch_heads, int64_t S, int64_t M, int num_sms,
+                   std::optional<int> num_splits = std::nullopt);
 
 double window_tiles(int64_t M, int block_n, int window_n);
 int reduce_block(int block_d);
