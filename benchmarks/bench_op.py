@@ -34,7 +34,9 @@ plus the largest difference between tree_attn's and SDPA's outputs.
 On CUDA (`--device cuda`) the run is a different table, every method under a CUDA graph
 (captured after warm-up, timed over replays with CUDA events), bfloat16:
 
-- tree_attn: the op (the Triton kernels), compact mask and mask_offset;
+- tree_attn: the op as users call it, compact mask and mask_offset (on sm_90 the Hopper
+  Gluon kernel where it covers the call, else the Triton kernel);
+- tree_attn_triton: the same call forced onto the portable Triton kernel (kernel="triton");
 - sdpa: F.scaled_dot_product_attention, dense bool mask, enable_gqa=True;
 - flex: torch.nn.attention.flex_attention (compiled), 64x64 block mask built once from
   the tree (prefix blocks full, tree blocks partial);
@@ -43,7 +45,8 @@ On CUDA (`--device cuda`) the run is a different table, every method under a CUD
   LSE, then an LSE merge.
 
 Shapes: B=1, Hq=32, Hkv=8, D=128, T=64 random tree, P in {1024, 4096, 16384, 65536}; plus
-B=8 P=16384 and T=16 P=16384. Prints µs, the ratio of the best peer's time to ours (> 1:
+B=8 P=16384 and T=16 P=16384; then at P=16384 the rows D=64, D=256, D=512 (bfloat16) and
+float32 D=128 (--no-extra-rows drops them). Prints µs, the ratio of the best peer's time to ours (> 1:
 tree_attn is faster) and the fraction of the H200 limit max(FLOPs / 790e12, bytes /
 4.3e12) each method reaches; --json PATH and --plot PATH (matplotlib, optional) save it.
 
@@ -189,6 +192,9 @@ def matmul_softmax_matmul(x):
 
 CUDA_SHAPES = [dict(B=1, T=64, P=P) for P in (1024, 4096, 16384, 65536)] + [
     dict(B=8, T=64, P=16384), dict(B=1, T=16, P=16384)]
+# At P=16384: the other head dims and a float32 call (the Triton kernel's rows today).
+CUDA_EXTRA_SHAPES = [dict(B=1, T=64, P=16384, D=64), dict(B=1, T=64, P=16384, D=256),
+                     dict(B=1, T=64, P=16384, D=512), dict(B=1, T=64, P=16384, dtype="float32")]
 CUDA_SHAPE = SHAPES["llama"]
 HQ, HKV, D = CUDA_SHAPE.Hq, CUDA_SHAPE.Hkv, CUDA_SHAPE.D
 PEAK_FLOPS = 790e12   # H200 dense bf16, as the issue states it
@@ -277,36 +283,57 @@ def time_us(replay, iters, repeats=7):
     return statistics.median(samples)
 
 
-def limit_us(x, elem_bytes=2):
+def limit_us(x):
     """The H200 limit for this call: max(FLOPs / peak, bytes / bandwidth), in µs. FLOPs count
     what a row sees (prefix plus its tree ancestors): 4 * D per (row, visible key); bytes
-    are K and V of the P + T keys once per (batch row, kv head), plus q and out."""
+    are K and V of the P + T keys once per (batch row, kv head), plus q and out. The bf16
+    tensor-core peak for every dtype (a float32 call is held to the same bar)."""
     P, Bx, Tx = x["P"], x["B"], x["T"]
+    sh = x["shape"]
+    elem_bytes = x["k"].element_size()
     visible = P * Tx + int(x["tree"][0].sum())
-    flops = 4.0 * D * Bx * HQ * visible
-    nbytes = elem_bytes * (2 * Bx * HKV * (P + Tx) * D + 2 * Bx * HQ * Tx * D)
+    flops = 4.0 * sh.D * Bx * sh.Hq * visible
+    nbytes = elem_bytes * (2 * Bx * sh.Hkv * (P + Tx) * sh.D + 2 * Bx * sh.Hq * Tx * sh.D)
     return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e6
 
 
+def tree_attn_triton(x):
+    from torch_tree_attn import triton_backend
+
+    return triton_backend.forward_with_lse(x["q"], x["k"], x["v"], x["tree"], x["offsets"], x["shape"].scale, None,
+                                           x["sinks"], kernel="triton")[0]
+
+
 def cuda_main(args):
-    dtype = torch.bfloat16
     props = torch.cuda.get_device_properties(0)
-    print(f"torch {torch.__version__}, {props.name} ({props.multi_processor_count} SMs); Hq={HQ} Hkv={HKV} "
-          f"D={D}, bfloat16, random tree; every method under a CUDA graph; us = median of replays")
-    methods = ("tree_attn", "sdpa", "flex", "cascade")
-    header = (f"{'B':>2} {'T':>3} {'P':>6} | " + " | ".join(f"{m:>10} us" for m in methods)
+    print(f"torch {torch.__version__}, {props.name} ({props.multi_processor_count} SMs); Hq={HQ} Hkv={HKV}, "
+          f"random tree; every method under a CUDA graph; us = median of replays")
+    methods = ("tree_attn", "tree_attn_triton", "sdpa", "flex", "cascade")
+    peers = ("sdpa", "flex", "cascade")
+    header = (f"{'B':>2} {'T':>3} {'P':>6} {'D':>3} {'dtype':>8} | " + " | ".join(f"{m[:16]:>16} us" for m in methods)
               + f" | {'best peer/ours':>14} | {'limit us':>8} | ours % of limit")
     print(header)
     print("-" * len(header))
     rows = []
-    shapes = CUDA_SHAPES if not args.quick else [dict(B=1, T=64, P=1024)]
+    shapes = CUDA_SHAPES + (CUDA_EXTRA_SHAPES if args.extra_rows else []) if not args.quick else [
+        dict(B=1, T=64, P=1024)]
     if args.prefix_given:
         shapes = [dict(B=1, T=64, P=P) for P in args.prefix]
     for shape in shapes:
-        x = make_problem(CUDA_SHAPE, shape["P"], (dtype, dtype), "cuda", B=shape["B"], T=shape["T"])
-        builders = dict(tree_attn=lambda: (lambda: tree_attn(x)), sdpa=lambda: (lambda: sdpa(x)),
-                        flex=lambda: flex_method(x), cascade=lambda: cascade_method(x))
+        shape = dict(dict(D=D, dtype="bfloat16"), **shape)
+        dtype = DTYPES[shape["dtype"]]
+        x = make_problem(Shape(Hq=HQ, Hkv=HKV, D=shape["D"]), shape["P"], dtype, "cuda", B=shape["B"], T=shape["T"])
+        builders = dict(tree_attn=lambda: (lambda: tree_attn(x)), tree_attn_triton=lambda: (lambda: tree_attn_triton(x)),
+                        sdpa=lambda: (lambda: sdpa(x)), flex=lambda: flex_method(x), cascade=lambda: cascade_method(x))
         row = dict(shape, us={}, max_abs_diff={}, errors={})
+        try:
+            from torch_tree_attn import _C
+
+            row["kernel"] = _C.cuda_plan_launch(x["q"], x["k"], x["v"], x["tree"], x["offsets"],
+                                                arch=props.major * 10 + props.minor,
+                                                num_sms=props.multi_processor_count)[0].kernel
+        except Exception:  # noqa: BLE001
+            row["kernel"] = "?"
         ref = None
         for name in methods:
             try:
@@ -320,15 +347,15 @@ def cuda_main(args):
                 row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
         row["limit_us"] = limit_us(x)
         ours = row["us"].get("tree_attn")
-        peers = [row["us"][m] for m in methods[1:] if m in row["us"]]
-        row["best_peer_over_ours"] = (min(peers) / ours) if ours and peers else None
+        peer_us = [row["us"][m] for m in peers if m in row["us"]]
+        row["best_peer_over_ours"] = (min(peer_us) / ours) if ours and peer_us else None
         row["fraction_of_limit"] = {m: row["limit_us"] / t for m, t in row["us"].items()}
         rows.append(row)
-        cells = " | ".join(f"{row['us'][m]:>13.1f}" if m in row["us"] else f"{'error':>13}" for m in methods)
+        cells = " | ".join(f"{row['us'][m]:>19.1f}" if m in row["us"] else f"{'error':>19}" for m in methods)
         ratio = f"{row['best_peer_over_ours']:>13.2f}x" if row["best_peer_over_ours"] else f"{'-':>14}"
         frac = f"{100 * row['fraction_of_limit']['tree_attn']:.0f}%" if ours else "-"
-        print(f"{shape['B']:>2} {shape['T']:>3} {shape['P']:>6} | {cells} | {ratio} | {row['limit_us']:>8.1f} | "
-              f"{frac}", flush=True)
+        print(f"{shape['B']:>2} {shape['T']:>3} {shape['P']:>6} {shape['D']:>3} {shape['dtype'][:8]:>8} | {cells} | "
+              f"{ratio} | {row['limit_us']:>8.1f} | {frac} ({row['kernel']})", flush=True)
         for name, err in row["errors"].items():
             print(f"    {name}: {err}")
         del x
@@ -337,7 +364,7 @@ def cuda_main(args):
 
         with open(args.json, "w") as f:
             json.dump(dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                           Hq=HQ, Hkv=HKV, D=D, dtype="bfloat16", rows=rows), f, indent=1)
+                           Hq=HQ, Hkv=HKV, rows=rows), f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         plot(rows, methods, args.plot)
@@ -360,7 +387,8 @@ def plot(rows, methods, path):
     plt = _pyplot()
     if plt is None:
         return
-    labels = [f"B{r['B']} T{r['T']}\nP{r['P']}" for r in rows]
+    labels = [f"B{r['B']} T{r['T']}\nP{r['P']}" + ("" if (r.get("D", D), r.get("dtype", "bfloat16")) == (
+        D, "bfloat16") else f"\nD{r['D']} {r['dtype']}") for r in rows]
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4.5))
     width = 0.8 / (len(methods) + 1)
     for j, name in enumerate(list(methods) + ["limit"]):
@@ -371,7 +399,7 @@ def plot(rows, methods, path):
     ax.set_xticklabels(labels)
     ax.set_yscale("log")
     ax.set_ylabel("µs (CUDA graph replay)")
-    ax.set_title(f"tree attention, Hq={HQ} Hkv={HKV} D={D}, bfloat16")
+    ax.set_title(f"tree attention, Hq={HQ} Hkv={HKV} (D={D} bfloat16 unless labelled)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -485,6 +513,8 @@ def main(argv=None):
     parser.add_argument("--max-seconds", type=float, default=1.5,
                         help="stop a measurement after this long once it has 3 runs")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--no-extra-rows", dest="extra_rows", action="store_false",
+                        help="(cuda) only the bf16 D=128 rows, not D=64/256/512 and float32 at P=16384")
     parser.add_argument("--quick", action="store_true", help="smoke run: P=256, 3 runs, float32 only")
     parser.add_argument("--json", default=None, help="(cuda, mps-model) write the results as JSON here")
     parser.add_argument("--plot", default=None,

@@ -10,7 +10,9 @@ kernel (a pipeline deadlock would hang, not fail) is reported and the next phase
 runs; inside a phase every case catches its own exception.
 
 Phases:
-- smoke: two tiny calls (one split, two splits) against the reference.
+- smoke: two tiny calls (one split, two splits) against the reference, through the C++
+  launcher (kernel="hopper": prebuilt cubin, tensor maps encoded in C++) and through
+  gluon_kernels' Python launcher.
 - parity: every case of tests/cases.py's parity matrix that covers() accepts, with the
   plan's splits and with 3 forced splits; the non-finite matrix; long prefixes with many
   splits; the 4-consumer-warp variant and 3 stages on a subset.
@@ -32,7 +34,7 @@ import traceback
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PHASE_LIMITS = {"smoke": 45, "parity": 80, "bench": 55}  # 3 minutes in all, even if a phase hangs
+PHASE_LIMITS = {"smoke": 60, "parity": 90, "bench": 70}  # 3 minutes in all, even if a phase hangs
 
 
 def _to(inputs, device):
@@ -41,15 +43,22 @@ def _to(inputs, device):
     return {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in inputs.items()}
 
 
-def _check(case, num_splits=None, config=None, inject=None):
+def _check(case, num_splits=None, config=None, inject=None, python_launcher=False):
+    """One case against the reference: through the C++ launcher (kernel="hopper", the
+    prebuilt cubins) by default, through gluon_kernels' Python launcher for a config or when
+    asked."""
     from tests.cases import args_of, check_against_reference, inject_nonfinite, make_inputs
     from torch_tree_attn import gluon_kernels as gk
+    from torch_tree_attn import triton_backend
 
     inputs = make_inputs(case)
     if inject is not None and not inject_nonfinite(inputs, inject, case.seed):
         return None
     cuda = _to(inputs, "cuda")
-    out, lse = gk.forward_with_lse_gluon(*args_of(cuda), num_splits=num_splits, config=config)
+    if config is None and not python_launcher:
+        out, lse = triton_backend.forward_with_lse(*args_of(cuda), num_splits=num_splits, kernel="hopper")
+    else:
+        out, lse = gk.forward_with_lse_gluon(*args_of(cuda), num_splits=num_splits, config=config)
     check_against_reference(out.cpu(), lse.cpu(), inputs)
     return True
 
@@ -91,8 +100,10 @@ def phase_smoke():
     print(f"triton {triton.__version__}", flush=True)
     t = Tally("smoke")
     small = Case(B=2, Hq=8, Hkv=2, T=5, S=90, D=128, dtype=torch.bfloat16, seed=1)
-    t.run("tiny, 1 split", lambda: _check(small, num_splits=1))
-    t.run("tiny, 2 splits", lambda: _check(small, num_splits=2))
+    t.run("tiny, 1 split, C++ launcher", lambda: _check(small, num_splits=1))
+    t.run("tiny, 2 splits, C++ launcher", lambda: _check(small, num_splits=2))
+    t.run("tiny, 1 split, Python launcher", lambda: _check(small, num_splits=1, python_launcher=True))
+    t.run("tiny, 2 splits, Python launcher", lambda: _check(small, num_splits=2, python_launcher=True))
     torch.cuda.synchronize()
     t.report()
     return not t.failed
@@ -186,13 +197,18 @@ def phase_bench():
             mask = random_tree_mask(T, gen)[None].cuda()
             off = torch.tensor([P], device="cuda")
             args = (q, k, v, mask, off, None, None, None)
-            g_tri, (o_tri, l_tri) = graphed(lambda: triton_backend.forward_with_lse(*args))
+            g_tri, (o_tri, l_tri) = graphed(lambda: triton_backend.forward_with_lse(*args, kernel="triton"))
             t_tri = time_us(g_tri)
             results = {}
             diffs = {}
-            for name, cfg in (("default", None), ("st2", (8, 64, 2)), ("st4", (8, 64, 4)), ("cw4", (4, 64, 2))):
+            for name, cfg in (("default", None), ("python", "python"), ("st2", (8, 64, 2)), ("st4", (8, 64, 4)),
+                              ("cw4", (4, 64, 2))):
                 try:
-                    g, (o, l) = graphed(lambda cfg=cfg: gk.forward_with_lse_gluon(*args, config=cfg))
+                    if cfg is None:   # the C++ launcher, as users get it
+                        g, (o, l) = graphed(lambda: triton_backend.forward_with_lse(*args, kernel="hopper"))
+                    else:
+                        g, (o, l) = graphed(lambda cfg=cfg: gk.forward_with_lse_gluon(
+                            *args, config=None if cfg == "python" else cfg))
                     results[name] = time_us(g)
                     diffs[name] = (o.float() - o_tri.float()).abs().max().item()
                     dl = (l - l_tri).abs().max().item()
@@ -213,7 +229,7 @@ def phase_bench():
             sweep = []
             for s in sorted({max(1, splits // 2), splits, splits * 2}):
                 try:
-                    g, _ = graphed(lambda s=s: gk.forward_with_lse_gluon(*args, num_splits=s))
+                    g, _ = graphed(lambda s=s: triton_backend.forward_with_lse(*args, num_splits=s, kernel="hopper"))
                     sweep.append(f"s={s}: {time_us(g, iters=20, repeats=5):.1f}")
                     del g
                 except Exception as e:  # noqa: BLE001
