@@ -1,4 +1,5 @@
-"""The CUDA backend (Triton kernels launched from C++, csrc/cuda/) on a real GPU.
+"""The CUDA backend (Triton kernels, and on sm_90 the Hopper Gluon kernel, launched from C++,
+csrc/cuda/) on a real GPU.
 
 Skipped without CUDA (and triton). On the H200: benchmarks/h200.sh runs this file first.
 What it proves beyond tests/test_triton.py (the same kernels under Triton's interpreter):
@@ -127,6 +128,75 @@ def test_parity_matrix(case):
     inputs = make_inputs(case)
     out, lse = run_cuda(inputs)
     check_against_reference(out, lse, inputs)
+
+
+def _arch():
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def _run_kernel(kernel):
+    from torch_tree_attn import triton_backend
+
+    def run(cpu_inputs):
+        out, lse = triton_backend.forward_with_lse(*args_of(to_cuda(cpu_inputs)), kernel=kernel)
+        return out.cpu(), lse.cpu()
+    return run
+
+
+# On sm_90 the parity matrix above runs the Hopper kernel for the cases it covers; this
+# share runs the portable Triton kernel for them too (it stays the choice elsewhere).
+@pytest.mark.parametrize("case", shard(parity_matrix()[::5]), ids=str)
+def test_parity_matrix_on_the_triton_kernel(case):
+    inputs = make_inputs(case)
+    out, lse = _run_kernel("triton")(inputs)
+    check_against_reference(out, lse, inputs)
+
+
+def test_hopper_kernel_is_chosen_on_sm90_and_agrees_with_triton():
+    """On sm_90 a bf16/fp16 D=64/128 verify call takes the Hopper kernel (else the Triton
+    kernel), both match the reference and each other; forcing 'hopper' on a call it does not
+    cover raises with the reason."""
+    from torch_tree_attn import _C
+
+    for case in (Case(B=1, Hq=32, Hkv=8, T=64, S=4096 + 64, D=128, dtype=torch.bfloat16, seed=31),
+                 Case(B=2, Hq=16, Hkv=4, T=60, S=3000, D=64, dtype=torch.float16, mask_kind="float", softcap=30.0,
+                      sinks=torch.float32, seed=32)):
+        inputs = make_inputs(case)
+        cuda = to_cuda(inputs)
+        plan, main, _ = _C.cuda_plan_launch(*args_of(cuda), arch=_arch(),
+                                            num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+        assert plan.kernel == ("hopper" if _arch() == 90 else "triton")
+        out_t, lse_t = _run_kernel("triton")(inputs)
+        check_against_reference(out_t, lse_t, inputs)
+        out_a, lse_a = run_cuda(inputs)
+        check_against_reference(out_a, lse_a, inputs)
+        if _arch() == 90:
+            out_h, lse_h = _run_kernel("hopper")(inputs)
+            assert torch.equal(out_h, out_a) and torch.equal(lse_h, lse_a)
+            assert (out_h.float() - out_t.float()).abs().max().item() < 3e-2
+            assert (lse_h - lse_t).abs().max().item() < 1e-3
+    if _arch() == 90:
+        inputs = make_inputs(Case(B=1, Hq=4, Hkv=2, T=8, S=200, D=256, dtype=torch.bfloat16, seed=33))
+        with pytest.raises(ValueError, match="Hopper kernel does not cover this call: head dim 256"):
+            _run_kernel("hopper")(inputs)
+
+
+def test_kernel_choice_from_the_environment():
+    """TORCH_TREE_ATTN_CUDA_KERNEL sets the process default; a bad value is a clear error."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = "import torch_tree_attn; from torch_tree_attn import _C; print(_C.cuda_kernel_choice())"
+    for value, want in (("triton", "triton"), ("hopper", "hopper"), ("", "auto")):
+        env = dict(os.environ, PYTHONPATH=str(root), TORCH_TREE_ATTN_CUDA_KERNEL=value)
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == want, proc.stderr[-2000:]
+    env = dict(os.environ, PYTHONPATH=str(root), TORCH_TREE_ATTN_CUDA_KERNEL="cutlass")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "TORCH_TREE_ATTN_CUDA_KERNEL" in proc.stderr and "cutlass" in proc.stderr
 
 
 @pytest.mark.parametrize("case", shard(parity_matrix()[::7]), ids=str)

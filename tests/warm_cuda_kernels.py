@@ -28,10 +28,14 @@ def needed_specs(arch: int, num_sms: int) -> list:
     cases = parity_matrix() + [case for case, _ in nonfinite_cases()]
     seen = {}
     for case in cases:
-        _, main, reduce = _C.cuda_plan_launch(*args_of(make_inputs(case)), arch=arch, num_sms=num_sms)
-        for spec in (main, reduce):
-            if spec is not None:
-                seen.setdefault(json.dumps(spec, sort_keys=True), spec)
+        args = args_of(make_inputs(case))
+        # The default choice (on sm_90 the Hopper kernel where it covers) and the Triton
+        # kernel the parity share forces.
+        for kernel in ("auto", "triton"):
+            _, main, reduce = _C.cuda_plan_launch(*args, arch=arch, num_sms=num_sms, kernel=kernel)
+            for spec in (main, reduce):
+                if spec is not None:
+                    seen.setdefault(json.dumps(spec, sort_keys=True), spec)
     return [spec for key, spec in seen.items() if key not in prebuilt]
 
 
