@@ -1,8 +1,10 @@
 """The CUDA backend (Triton kernels launched from C++, csrc/cuda/) on a real GPU.
 
-Skipped without CUDA (and triton). On the H200: benchmarks/h200.sh runs this file first.
-What it proves beyond tests/test_triton.py (the same kernels under Triton's interpreter):
-that the kernels compile and are right on a GPU for the whole parity matrix, that a call
+Skipped without CUDA (and triton). On the H200: benchmarks/h200.sh runs this file first,
+then tests/test_contract.py's cuda items (the whole parity matrix, forward vs
+forward_with_lse, the bad-input and non-finite tables) in parallel shards.
+What this file proves beyond tests/test_triton.py (the same kernels under Triton's
+interpreter): key splits and forced split counts, that a call
 never syncs with the host, CUDA-graph capture and replay with new offsets, torch.compile
 without recompiles, opcheck, the launch on the caller's stream, and that a fresh process
 compiles nothing for a call the prebuilt table covers while one it does not is compiled
@@ -15,25 +17,14 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks, args_of, check_against_reference, check_nonfinite_case, make_inputs,
-                         nonfinite_cases, parity_matrix, random_tree_mask)
+from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks,
+                         args_of, check_against_reference, make_inputs, random_tree_mask)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
     reason="needs CUDA and triton (the CUDA backend's kernels are Triton)")
 
 ops = torch.ops.tree_attn
-
-
-def shard(cases: list) -> list:
-    """TREE_ATTN_TEST_SHARD=i/n keeps every n-th case from the i-th: benchmarks/h200.sh runs
-    the matrix in parallel processes, so Triton's compilations of the kernel variants
-    spread over the CPU cores."""
-    spec = os.environ.get("TREE_ATTN_TEST_SHARD")
-    if not spec:
-        return cases
-    i, n = (int(x) for x in spec.split("/"))
-    return cases[i::n]
 
 
 def to_cuda(inputs: dict) -> dict:
@@ -120,26 +111,6 @@ def test_launches_on_the_current_stream():
         out, lse = ops.forward_with_lse(*args_of(cuda_side))
     side.synchronize()
     check_against_reference(out.cpu(), lse.cpu(), inputs)
-
-
-@pytest.mark.parametrize("case", shard(parity_matrix()), ids=str)
-def test_parity_matrix(case):
-    inputs = make_inputs(case)
-    out, lse = run_cuda(inputs)
-    check_against_reference(out, lse, inputs)
-
-
-@pytest.mark.parametrize("case", shard(parity_matrix()[::7]), ids=str)
-def test_forward_without_lse_matches(case):
-    inputs = make_inputs(case)
-    out = ops.forward(*args_of(to_cuda(inputs))).cpu()
-    check_against_reference(out, None, inputs)
-    assert torch.equal(out, run_cuda(inputs)[0]), "forward and forward_with_lse must give the same output"
-
-
-@pytest.mark.parametrize("case,kind", shard(nonfinite_cases()), ids=lambda x: x if isinstance(x, str) else str(x))
-def test_nonfinite(case, kind):
-    check_nonfinite_case(case, kind, run_cuda)
 
 
 # Long prefixes: keys split across programs and merged by the reduce pass; the visible range
