@@ -12,6 +12,14 @@ own (tests/sim/setup.py); nothing of it is built or installed here.
 
 TORCH_TREE_ATTN_SANITIZE=address,undefined builds with those sanitizers (CI's sanitizer
 pass; the library must then be preloaded, see .ci/run).
+
+On Linux the extension is linked without debug information (Python's CFLAGS compile with
+-g: 23 of its 24 MB would be DWARF), so the wheel stays small; TORCH_TREE_ATTN_DEBUG=1 keeps
+it, as a sanitizer build does.
+
+The wheel holds torch_tree_attn/*.py, the _C extension and any prebuilt CUDA kernels
+(torch_tree_attn/kernels/); the shaders are embedded in _C (macOS), the demo's weights stay
+in examples/assets (tests/test_wheel.py checks the list and the size).
 """
 import glob
 import os
@@ -132,6 +140,8 @@ else:
     extra_link.append("-fopenmp")
 sanitize_compile, sanitize_link = sanitizer_flags()
 cxx_flags += sanitize_compile
+if not IS_MACOS and not sanitize_compile and os.environ.get("TORCH_TREE_ATTN_DEBUG", "") in ("", "0"):
+    extra_link.append("-Wl,--strip-debug")
 extra_link += sanitize_link + libstdcxx_link_args()
 
 setup(
@@ -139,7 +149,7 @@ setup(
     version="0.1.0",
     description="Tree attention for speculative-decoding verification (EAGLE-3, EAGLE-2, Medusa) in PyTorch",
     packages=find_packages(include=["torch_tree_attn", "torch_tree_attn.*"]),
-    package_data={"torch_tree_attn": ["assets/*", "kernels/*"]},
+    package_data={"torch_tree_attn": ["kernels/*"]},  # the demo weights stay in examples/assets
     ext_modules=[
         CppExtension(
             "torch_tree_attn._C",

@@ -10,15 +10,17 @@
 # to $OUT/<stage>.log (OUT defaults to ./h200-results) and a summary to stdout:
 #   install   pip install --no-build-isolation --no-deps -e . (CXX=/opt/gcc/bin/g++ if present),
 #             which also compiles the prebuilt kernels (csrc/cuda/build_kernels.py)
-#   core      tests/test_cuda.py except the parity matrix: splits, unused slots, clamped
-#             offsets, no host sync, CUDA graphs, torch.compile, opcheck
-#   parity    tests/test_cuda.py's parity matrix (880 cases), non-finite cases and
-#             forward-vs-forward_with_lse, after tests/warm_cuda_kernels.py has compiled
+#   core      tests/test_cuda.py: splits, unused slots, clamped offsets, no host sync, CUDA
+#             graphs, torch.compile, opcheck
+#   parity    tests/test_contract.py's cuda and cuda-triton items (TREE_ATTN_TEST_BACKENDS): the parity
+#             matrix (880 cases; a quarter again on the Triton kernel, which sm_90 otherwise skips), forward-vs-forward_with_lse, the bad-input and non-finite
+#             tables, after tests/warm_cuda_kernels.py has compiled
 #             the specs outside the prebuilt table, in $PARITY_SHARDS (16) parallel pytest processes
 #             (TREE_ATTN_TEST_SHARD=i/n), so Triton's compilations use the CPU cores, for
 #             at most $PARITY_S (200) seconds; one $OUT/parity.log for all shards
 #   bench     benchmarks/bench_op.py --device cuda -> $OUT/bench.{txt,json,png} (alone on the GPU)
-#   triton    tests/test_triton.py (the interpreter run of the same kernels)
+#   triton    tests/test_triton.py and tests/test_contract.py's triton-interp items (the
+#             interpreter run of the same kernels)
 #   hf        tests/test_hf.py on the GPU (TREE_ATTN_TEST_DEVICE=cuda)
 #   eagle3    examples/eagle3_verify.py --device cuda --check (the built-in pair)
 #   launch    benchmarks/bench_launch.py -> $OUT/launch.{log,json}: eager host cost, first call
@@ -74,7 +76,7 @@ PYTEST="$PY -m pytest -q -rfE -p no:cacheprovider"
 for s in $STAGES; do
   case $s in
     install) stage install 240 $PY -m pip install --no-build-isolation --no-deps -v -e . ;;
-    core) stage core 150 $PYTEST tests/test_cuda.py -k "not test_parity_matrix and not test_forward_without_lse and not test_nonfinite" ;;
+    core) stage core 150 $PYTEST tests/test_cuda.py ;;
     parity)
       # First every spec outside the prebuilt table, compiled once each in parallel into
       # Triton's disk cache (else each shard compiles the ones it meets, serially).
@@ -82,8 +84,8 @@ for s in $STAGES; do
       t=$(left); cap=${PARITY_S:-200}; [ "$cap" -lt "$t" ] && t=$cap
       start=$SECONDS; pids=(); n=${PARITY_SHARDS:-16}
       for i in $(seq 0 $((n - 1))); do
-        OMP_NUM_THREADS=1 TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" $PYTEST tests/test_cuda.py \
-          -k "test_parity_matrix or test_forward_without_lse or test_nonfinite" >"$OUT/parity-$i.log" 2>&1 &
+        OMP_NUM_THREADS=1 TREE_ATTN_TEST_BACKENDS=cuda,cuda-triton TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" \
+          $PYTEST tests/test_contract.py -k "not test_table_names" >"$OUT/parity-$i.log" 2>&1 &
         pids+=($!)
       done
       rcs=""; for p in "${pids[@]}"; do wait "$p"; rcs="$rcs $?"; done
@@ -100,13 +102,15 @@ for s in $STAGES; do
       cp "$OUT/bench.log" "$OUT/bench.txt" ;;
     launch) stage launch 150 $PY benchmarks/bench_launch.py --breakdown --json "$OUT/launch.json" ;;
     e2e) stage e2e ${E2E_S:-300} $PY benchmarks/bench_e2e.py --device cuda --json "$OUT/e2e.json" --png "$OUT/e2e.png" ;;
-    triton) stage triton 200 $PYTEST tests/test_triton.py ;;
+    triton) stage triton 200 env TREE_ATTN_TEST_BACKENDS=triton-interp $PYTEST tests/test_triton.py tests/test_contract.py ;;
     hf) stage hf 300 env TREE_ATTN_TEST_DEVICE=cuda $PYTEST tests/test_hf.py ;;
     eagle3) stage eagle3 200 $PY examples/eagle3_verify.py --device cuda --check ;;
     tune) stage tune ${TUNE_S:-420} $PY benchmarks/tune_cuda.py --max-seconds $(( ${TUNE_S:-420} - 40 )) --json "$OUT/tune.json" ${TUNE_ARGS:-} ;;
     suite)
       stage sim-build 200 $PY -m pip install --no-build-isolation --no-deps ./tests/sim
-      stage suite 600 $PYTEST tests --ignore=tests/test_cuda.py --ignore=tests/test_triton.py ;;
+      # The contract's cpu and sim items (its cuda ones ran in the parity stage).
+      stage suite 600 env TREE_ATTN_TEST_BACKENDS=cpu,sim,sim-vector $PYTEST tests --ignore=tests/test_cuda.py \
+        --ignore=tests/test_triton.py ;;
     *) echo "unknown stage $s (install core parity hf eagle3 bench triton suite tune)"; exit 2 ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""Train the built-in target LM and its EAGLE-3 draft (the weights under torch_tree_attn/assets/).
+"""Train the built-in target LM and its EAGLE-3 draft (the weights under examples/assets/).
 
     python examples/train_builtin.py --device cuda        # about 7.5 minutes on one H200
     python examples/train_builtin.py --dump-corpus corpus.txt   # the training text, to train elsewhere
@@ -14,7 +14,7 @@ Stage "target": a 12-layer byte-level LlamaForCausalLM trained from scratch on t
 sources of the CPython standard library (packages included; test suites, idlelib, lib2to3,
 turtledemo and site-packages left out) found next to the running interpreter (PSF License
 Version 2, which allows derived works to be distributed; the notice is kept in
-assets/NOTICE.txt). Stage "draft": an EAGLE-3 draft trained the way EAGLE trains, on the
+examples/assets/NOTICE.txt). Stage "draft": an EAGLE-3 draft trained the way EAGLE trains, on the
 target's own fused low/mid/high hidden states with the target's output distribution as the
 label, on a mix of corpus text and the target's own greedy continuations, unrolled for a few
 steps on its own outputs ("training-time test") so that deep tree levels, which see the
@@ -96,11 +96,11 @@ def load_target(out_dir, device):
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    with open(os.path.join(out_dir, os.path.basename(builtin.TARGET_CONFIG))) as f:
+    with open(os.path.join(out_dir, builtin.TARGET_CONFIG)) as f:
         config = LlamaConfig(**json.load(f))
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
-    model.load_state_dict(load_file(os.path.join(out_dir, os.path.basename(builtin.TARGET_WEIGHTS))))
+    model.load_state_dict(load_file(os.path.join(out_dir, builtin.TARGET_WEIGHTS)))
     return model.to(device).eval()
 
 
@@ -165,8 +165,8 @@ def train_target(args, device):
 
     os.makedirs(args.out_dir, exist_ok=True)
     state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, os.path.join(args.out_dir, os.path.basename(builtin.TARGET_WEIGHTS)), metadata={"format": "pt"})
-    with open(os.path.join(args.out_dir, os.path.basename(builtin.TARGET_CONFIG)), "w") as f:
+    save_file(state, os.path.join(args.out_dir, builtin.TARGET_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(args.out_dir, builtin.TARGET_CONFIG), "w") as f:
         json.dump(arch, f, indent=2)
     log(f"saved the target under {args.out_dir}")
 
@@ -308,9 +308,9 @@ def train_draft(args, device):
     draft.eval()
     scratch = os.path.join(args.out_dir, "draft_tmp")
     eagle3.save_eagle3_draft(draft, scratch, dtype=torch.float16)
-    os.replace(os.path.join(scratch, "config.json"), os.path.join(args.out_dir, os.path.basename(builtin.DRAFT_CONFIG)))
+    os.replace(os.path.join(scratch, "config.json"), os.path.join(args.out_dir, builtin.DRAFT_CONFIG))
     os.replace(os.path.join(scratch, "model.safetensors"),
-               os.path.join(args.out_dir, os.path.basename(builtin.DRAFT_WEIGHTS)))
+               os.path.join(args.out_dir, builtin.DRAFT_WEIGHTS))
     os.rmdir(scratch)
     log(f"saved the draft under {args.out_dir} after {step} steps")
 
@@ -321,7 +321,8 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--corpus", default=None, help="a corpus file from --dump-corpus (default: this stdlib)")
     parser.add_argument("--dump-corpus", default=None, help="write the corpus to this file and exit")
-    parser.add_argument("--out-dir", default=builtin.ASSETS)
+    parser.add_argument("--out-dir", default=builtin.assets_dir(),
+                        help=f"where the weights go (default: ${builtin.ASSETS_ENV} or examples/assets)")
     parser.add_argument("--layers", type=int, default=None, help="target layers (default: builtin.TARGET_ARCH)")
     parser.add_argument("--hidden", type=int, default=None, help="target hidden size, a multiple of 64")
     parser.add_argument("--intermediate", type=int, default=None, help="target MLP width")

@@ -1,5 +1,6 @@
-"""The op contract's parity matrix, shared by every backend's tests (CPU, Metal
-simulator, MPS).
+"""The op contract's parity matrix and non-finite table, shared by every backend's tests
+(tests/test_contract.py runs them on each backend of tests/backends.py; the fuzzer and the
+GPU scripts use them too).
 
 A `Case` describes one call; `make_inputs` builds its tensors with NaN in every cache
 slot the contract says is never read; `check_against_reference` compares a backend's
@@ -98,6 +99,21 @@ def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:
     """Ancestor-or-self mask of a random tree whose nodes are ordered parents first."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
     return ancestor_mask(torch.tensor(parents))
+
+
+def tree_inputs(B=1, Hq=4, Hkv=1, T=8, prefix=(40,), D=64, dtype=torch.float32, S=None, seed=0):
+    """Compact tree form: prefix_b committed keys, then T tree keys, NaN after them."""
+    gen = torch.Generator().manual_seed(seed)
+    S = S if S is not None else max(prefix) + T
+    q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    for b, off in enumerate(prefix):
+        k[b, :, off + T:] = float("nan")
+        v[b, :, off + T:] = float("nan")
+    mask = torch.stack([random_tree_mask(T, gen) for _ in range(B)])
+    off = torch.tensor(prefix, dtype=torch.int64)
+    return dict(query=q, key=k, value=v, mask=mask, mask_offset=off, scale=None, softcap=None)
 
 
 def _offsets(case: Case, gen: torch.Generator) -> Optional[torch.Tensor]:

@@ -1,9 +1,11 @@
 """The CUDA backend (Triton kernels, and on sm_90 the Hopper Gluon kernel, launched from C++,
 csrc/cuda/) on a real GPU.
 
-Skipped without CUDA (and triton). On the H200: benchmarks/h200.sh runs this file first.
-What it proves beyond tests/test_triton.py (the same kernels under Triton's interpreter):
-that the kernels compile and are right on a GPU for the whole parity matrix, that a call
+Skipped without CUDA (and triton). On the H200: benchmarks/h200.sh runs this file first,
+then tests/test_contract.py's cuda items (the whole parity matrix, forward vs
+forward_with_lse, the bad-input and non-finite tables) in parallel shards.
+What this file proves beyond tests/test_triton.py (the same kernels under Triton's
+interpreter): key splits and forced split counts, that a call
 never syncs with the host, CUDA-graph capture and replay with new offsets, torch.compile
 without recompiles, opcheck, the launch on the caller's stream, and that a fresh process
 compiles nothing for a call the prebuilt table covers while one it does not is compiled
@@ -16,25 +18,14 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks, args_of, check_against_reference, check_nonfinite_case, make_inputs,
-                         nonfinite_cases, parity_matrix, random_tree_mask)
+from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks,
+                         args_of, check_against_reference, make_inputs, random_tree_mask)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
     reason="needs CUDA and triton (the CUDA backend's kernels are Triton)")
 
 ops = torch.ops.tree_attn
-
-
-def shard(cases: list) -> list:
-    """TREE_ATTN_TEST_SHARD=i/n keeps every n-th case from the i-th: benchmarks/h200.sh runs
-    the matrix in parallel processes, so Triton's compilations of the kernel variants
-    spread over the CPU cores."""
-    spec = os.environ.get("TREE_ATTN_TEST_SHARD")
-    if not spec:
-        return cases
-    i, n = (int(x) for x in spec.split("/"))
-    return cases[i::n]
 
 
 def to_cuda(inputs: dict) -> dict:
@@ -123,13 +114,6 @@ def test_launches_on_the_current_stream():
     check_against_reference(out.cpu(), lse.cpu(), inputs)
 
 
-@pytest.mark.parametrize("case", shard(parity_matrix()), ids=str)
-def test_parity_matrix(case):
-    inputs = make_inputs(case)
-    out, lse = run_cuda(inputs)
-    check_against_reference(out, lse, inputs)
-
-
 def _arch():
     major, minor = torch.cuda.get_device_capability()
     return major * 10 + minor
@@ -144,17 +128,9 @@ def _run_kernel(kernel):
     return run
 
 
-# On sm_90 the parity matrix above runs the Hopper kernel for the cases it covers; this
-# share runs the portable Triton kernel for them too (it stays the choice elsewhere).
-@pytest.mark.parametrize("case", shard(parity_matrix()[::5]), ids=str)
-def test_parity_matrix_on_the_triton_kernel(case):
-    inputs = make_inputs(case)
-    out, lse = _run_kernel("triton")(inputs)
-    check_against_reference(out, lse, inputs)
-
-
 def test_hopper_kernel_is_chosen_on_sm90_and_agrees_with_triton():
-    """On sm_90 a bf16/fp16 D=64/128 verify call takes the Hopper kernel (else the Triton
+    """(tests/test_contract.py's cuda-triton backend runs a share of the parity matrix on the
+    Triton kernel.) On sm_90 a bf16/fp16 D=64/128 verify call takes the Hopper kernel (else the Triton
     kernel), both match the reference and each other; forcing 'hopper' on a call it does not
     cover raises with the reason."""
     from torch_tree_attn import _C
@@ -197,19 +173,6 @@ def test_kernel_choice_from_the_environment():
     env = dict(os.environ, PYTHONPATH=str(root), TORCH_TREE_ATTN_CUDA_KERNEL="cutlass")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "TORCH_TREE_ATTN_CUDA_KERNEL" in proc.stderr and "cutlass" in proc.stderr
-
-
-@pytest.mark.parametrize("case", shard(parity_matrix()[::7]), ids=str)
-def test_forward_without_lse_matches(case):
-    inputs = make_inputs(case)
-    out = ops.forward(*args_of(to_cuda(inputs))).cpu()
-    check_against_reference(out, None, inputs)
-    assert torch.equal(out, run_cuda(inputs)[0]), "forward and forward_with_lse must give the same output"
-
-
-@pytest.mark.parametrize("case,kind", shard(nonfinite_cases()), ids=lambda x: x if isinstance(x, str) else str(x))
-def test_nonfinite(case, kind):
-    check_nonfinite_case(case, kind, run_cuda)
 
 
 # Long prefixes: keys split across programs and merged by the reduce pass; the visible range

@@ -1,11 +1,10 @@
 """The EAGLE-3 draft, its checkpoint layout, and the speculative loop (torch_tree_attn.speculative,
-which examples/eagle3_verify.py runs).
+which examples/eagle3_verify.py runs through torch_tree_attn.eagle3_cli).
 
 The loop is checked for exact greedy equivalence with token-by-token decoding; the draft's
 cached tree expansion against an independent float64 sequential recomputation of each path;
 the loader against checkpoints written by hand in the public EAGLE-3 layout.
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ pytest.importorskip("safetensors")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from torch_tree_attn import builtin, hf, speculative  # noqa: E402
+from torch_tree_attn.eagle3_cli import plain_greedy  # noqa: E402
 from torch_tree_attn.eagle3 import (  # noqa: E402
     Eagle3Config,
     Eagle3Draft,
@@ -33,16 +33,6 @@ from torch_tree_attn.tree import build_dynamic_tree  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "examples", "eagle3_verify.py")
-
-
-def _demo_module():
-    spec = importlib.util.spec_from_file_location("eagle3_verify", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _demo_module()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -396,7 +386,7 @@ def test_tree_expansion_matches_sequential_paths(rounds):
 def run_pair(target, draft, prompt_ids, max_new, total_tokens, depth, top_k):
     tree = speculative.TreeConfig(total_tokens=total_tokens, depth=depth, top_k=top_k)
     spec = speculative.generate(target, Eagle3Drafter(draft), prompt_ids, max_new, tree=tree, stop=())
-    base = demo.plain_greedy(target, prompt_ids, max_new, set())
+    base = plain_greedy(target, prompt_ids, max_new, set())
     return spec, base
 
 
@@ -410,7 +400,7 @@ def test_loop_equals_greedy_random_pair(total_tokens, depth, top_k):
 
 @pytest.fixture(scope="module")
 def builtin_pair():
-    assert builtin.builtin_assets_present(), "the built-in weights are shipped under torch_tree_attn/assets"
+    assert builtin.builtin_assets_present(), "the built-in weights are kept under examples/assets"
     hf.register()
     target = builtin.load_builtin_target(attn_implementation="tree_attn")
     return target, builtin.load_builtin_draft(target), builtin.ByteTokenizer()

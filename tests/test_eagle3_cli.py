@@ -1,9 +1,10 @@
-"""The command line of examples/eagle3_verify.py: bad input gives one clear line and a non-zero
-exit status, never a traceback, and the reported numbers match what was actually emitted.
+"""The command line of examples/eagle3_verify.py (torch_tree_attn.eagle3_cli): bad input gives
+one clear line and a non-zero exit status, never a traceback, and the reported numbers match
+what was actually emitted; the built-in models' assets directory is found, or named.
 
-Everything runs in-process through ``main([...])`` on the built-in models with small budgets.
+Everything runs in-process through ``main([...])`` on the built-in models with small budgets;
+tests/test_eagle3.py runs the example script itself as a subprocess.
 """
-import importlib.util
 import os
 import re
 
@@ -14,20 +15,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from torch_tree_attn import builtin  # noqa: E402
+from torch_tree_attn import eagle3_cli as demo  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO = os.path.join(ROOT, "examples", "eagle3_verify.py")
 PREFIX = "eagle3_verify.py: error: "
-
-
-def _demo_module():
-    spec = importlib.util.spec_from_file_location("eagle3_verify_cli", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _demo_module()
 
 
 @pytest.fixture(autouse=True)
@@ -502,3 +493,61 @@ def test_summary_reports_the_tree_actually_built(argv, size, monkeypatch, capsys
     assert line in out, out
     asked_more = f"--total-tokens {args.total_tokens} asked for more than depth {args.depth} and top-k {args.top_k} grow"
     assert (asked_more in out) == (size < args.total_tokens), out
+
+
+# --------------------------------------------------------------------------------------------
+# Where the built-in weights are read from (torch_tree_attn.builtin.assets_dir)
+# --------------------------------------------------------------------------------------------
+
+
+def test_assets_default_to_the_checkouts_examples_assets(monkeypatch):
+    monkeypatch.delenv(builtin.ASSETS_ENV, raising=False)
+    expected = os.path.join(ROOT, "examples", "assets")
+    assert builtin.assets_dir() == builtin.checkout_assets_dir() == expected
+    assert builtin.find_assets() == expected and builtin.builtin_assets_present()
+    assert sorted(builtin.ASSET_FILES) == sorted(n for n in os.listdir(expected) if n.startswith("builtin_"))
+
+
+def test_assets_argument_and_environment_override_the_default(monkeypatch, tmp_path):
+    env_dir, arg_dir = tmp_path / "env", tmp_path / "arg"
+    monkeypatch.setenv(builtin.ASSETS_ENV, str(env_dir))
+    assert builtin.assets_dir() == str(env_dir)
+    assert builtin.assets_dir(str(arg_dir)) == str(arg_dir)  # the argument wins over the variable
+    monkeypatch.setenv(builtin.ASSETS_ENV, "")
+    assert builtin.assets_dir() == builtin.checkout_assets_dir()  # empty: unset
+    # A copy of the assets elsewhere loads from there, through the variable and the argument.
+    env_dir.mkdir()
+    for name in builtin.ASSET_FILES:
+        (env_dir / name).write_bytes(open(os.path.join(builtin.checkout_assets_dir(), name), "rb").read())
+    monkeypatch.setenv(builtin.ASSETS_ENV, str(env_dir))
+    assert builtin.find_assets() == str(env_dir)
+    target = builtin.load_builtin_target()
+    monkeypatch.delenv(builtin.ASSETS_ENV)
+    again = builtin.load_builtin_target(assets=str(env_dir))
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), again.state_dict().values()))
+    assert builtin.load_builtin_draft(target, assets=str(env_dir)) is not None
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_missing_assets_name_where_they_were_looked_for(how, monkeypatch, tmp_path):
+    (tmp_path / builtin.TARGET_CONFIG).write_text("{}")  # one file of four present
+    if how == "environment":
+        monkeypatch.setenv(builtin.ASSETS_ENV, str(tmp_path))
+        kw, source = {}, f"${builtin.ASSETS_ENV}"
+    else:
+        monkeypatch.delenv(builtin.ASSETS_ENV, raising=False)
+        kw, source = dict(assets=str(tmp_path)), "the directory passed as assets"
+    assert not builtin.builtin_assets_present(**kw)
+    for call in (lambda: builtin.find_assets(**kw), lambda: builtin.load_builtin_target(**kw)):
+        with pytest.raises(FileNotFoundError) as info:
+            call()
+        message = str(info.value)
+        assert f"looked in {tmp_path} ({source})" in message, message
+        assert builtin.TARGET_WEIGHTS in message and builtin.DRAFT_CONFIG in message, message
+        assert f"missing {builtin.TARGET_CONFIG}" not in message  # the one present is not listed
+
+
+def test_cli_names_the_assets_directory_when_it_is_empty(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(builtin.ASSETS_ENV, str(tmp_path))
+    assert_one_line(*exit_of(["--no-progress"], capsys), "--target", f"looked in {tmp_path}",
+                    builtin.ASSETS_ENV)

@@ -6,6 +6,9 @@ real shader source, translated to C++, executed threadgroup by threadgroup with 
 simdgroups, NaN-poisoned threadgroup memory and bounds-checked device buffers. Every call
 also checks the device bytes each launch read and wrote against the plan's traffic model
 (the op fails otherwise); ``tree_attn_sim.traffic`` returns both figures for the tests below.
+The contract's tables (parity matrix, forward vs forward_with_lse, bad inputs, non-finite
+values) run here as tests/test_contract.py's sim and sim-vector items; this file holds the
+simulator's own tests: plans, families, key splits, traffic, offsets clamping.
 """
 import contextlib
 import json
@@ -16,8 +19,8 @@ import torch
 
 import torch_tree_attn  # noqa: F401  (registers the ops)
 import torch_tree_attn_sim  # noqa: F401  (registers the simulator's ops: pip install ./tests/sim)
-from tests.cases import (SOFTCAPS, check_softcap_at_any_cap, extreme_finite_checks, args_of, Case, check_against_reference, check_nonfinite_case, DTYPE_PAIRS, inject_nonfinite,
-                         make_inputs, nonfinite_cases, NONFINITE_KINDS, parity_matrix)
+from tests.cases import (SOFTCAPS, check_softcap_at_any_cap, extreme_finite_checks, args_of, Case, check_against_reference,
+                         check_nonfinite_case, DTYPE_PAIRS, make_inputs, NONFINITE_KINDS, parity_matrix)
 from torch_tree_attn.reference import tree_attention_reference
 
 ops = torch.ops.tree_attn_sim
@@ -73,13 +76,6 @@ SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", MATRIX, ids=str)
-def test_parity_matrix(case):
-    inputs = make_inputs(case)
-    out, lse = sim(inputs)
-    check_against_reference(out, lse, inputs)
-
-
 @pytest.mark.parametrize("family", ["vector", "matrix"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
 def test_long_prefix_split_across_threadgroups(case, family):
@@ -129,13 +125,6 @@ def test_matrix_kernel_scalar_loads_for_unaligned_rows():
     check_against_reference(*sim(inputs), inputs)
     inputs["key"], inputs["value"] = k.clone(), v.clone()
     assert plan_of(inputs)["kv_aligned4"] == 1
-
-
-def test_forward_without_lse_matches():
-    inputs = make_inputs(Case(B=2, Hq=4, Hkv=2, T=5, S=40, D=64, dtype=torch.float16))
-    out = ops.forward(*args_of(inputs))
-    check_against_reference(out, None, inputs)
-    assert torch.equal(out, sim(inputs)[0])
 
 
 def test_deterministic():
@@ -250,13 +239,9 @@ def test_unused_slots_hold_nan_and_the_last_chunk_is_partial():
 
 # ---------------------------------------------------------------------------------------
 # Non-finite values (README, "Non-finite values"): NaN exactly in the rows that see one.
+# tests/test_contract.py runs tests/cases.py's nonfinite_cases() here as the sim (plan's
+# family) and sim-vector (vector family forced) backends.
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["auto", "vector"])
-@pytest.mark.parametrize("case, kind", nonfinite_cases(), ids=lambda x: str(x))
-def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind, family):
-    with kernel_family(family):
-        check_nonfinite_case(case, kind, lambda inputs: sim(inputs))
-
 
 # D = 512 (tests.cases.nonfinite_cases has none): every kind over every dtype pair, with
 # and without key splits, the plan's family (matrix: 16 simdgroups, two per 8 rows) and

@@ -3,7 +3,10 @@
 Everything is compared with the float64 reference (``torch_tree_attn.reference``), which
 is written from the contract and shares no code with the kernel. Inputs come from
 ``tests/cases.py``: every cache slot the contract says is never read holds NaN, so a
-kernel that reads one fails loudly.
+kernel that reads one fails loudly. The contract's tables (parity matrix, bad inputs,
+non-finite values) run on this kernel as tests/test_contract.py's cpu items; here: property
+tests, thread counts and key splits, the fake (torch.compile's tracing) against the same
+bad-input table, and targeted behaviour.
 """
 import contextlib
 import importlib
@@ -18,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_tree_attn
+from tests.backends import BAD_INPUTS, VALUE_RULES, valid_inputs
 from tests.cases import (SOFTCAPS, args_of, DTYPE_PAIRS, DTYPES, HEAD_DIMS, TOLERANCE, check_against_reference,
-                         check_softcap_at_any_cap, extreme_finite_checks, make_inputs,
-                         parity_matrix, random_tree_mask)
+                         check_softcap_at_any_cap, extreme_finite_checks, tree_inputs)
 from torch_tree_attn.reference import tree_attention_reference
 
 ops = torch.ops.tree_attn
@@ -36,54 +39,6 @@ def num_threads(n):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def tree_inputs(B=1, Hq=4, Hkv=1, T=8, prefix=(40,), D=64, dtype=torch.float32, S=None, seed=0):
-    """Compact tree form: prefix_b committed keys, then T tree keys, NaN after them."""
-    gen = torch.Generator().manual_seed(seed)
-    S = S if S is not None else max(prefix) + T
-    q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
-    k = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
-    v = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
-    for b, off in enumerate(prefix):
-        k[b, :, off + T:] = NAN
-        v[b, :, off + T:] = NAN
-    mask = torch.stack([random_tree_mask(T, gen) for _ in range(B)])
-    off = torch.tensor(prefix, dtype=torch.int64)
-    return dict(query=q, key=k, value=v, mask=mask, mask_offset=off, scale=None, softcap=None)
-
-
-# ---------------------------------------------------------------------------------------
-# The shared parity matrix, through both ops.
-
-MATRIX = parity_matrix()
-
-
-@pytest.mark.parametrize("case", MATRIX, ids=str)
-def test_parity_matrix(case):
-    inputs = make_inputs(case)
-    out, lse = ops.forward_with_lse(**inputs)
-    check_against_reference(out, lse, inputs)
-    # forward is the same kernel without the lse: bit-identical output.
-    assert torch.equal(ops.forward(**inputs), out)
-
-
-def test_matrix_covers_the_contract():
-    seen = lambda attr: {getattr(c, attr) for c in MATRIX}  # noqa: E731
-    assert {(c.dtype, c.cache_dtype) for c in MATRIX} == set(DTYPE_PAIRS) and seen("D") == set(HEAD_DIMS)
-    # Sinks (both sink dtypes) meet every dtype pair, D, mask kind and window (M = 0
-    # included); fully masked rows come with every case (make_inputs).
-    with_sinks = [c for c in MATRIX if c.sinks is not None]
-    assert {c.sinks for c in with_sinks} == {torch.float32, torch.bfloat16}
-    for attr in ("mask_kind", "window"):
-        combos = lambda cases: {(c.dtype, c.cache_dtype, c.D, getattr(c, attr)) for c in cases}  # noqa: E731
-        assert combos(with_sinks) == combos(MATRIX), attr
-    assert {c.Hq // c.Hkv for c in MATRIX} == {1, 4, 8} and seen("T") == {1, 5, 64, 100}
-    assert seen("mask_kind") == {"bool", "float", "float_min"}
-    assert seen("window") == {"compact", "dense", "empty"}
-    assert seen("kv_layout") == {"contiguous", "bshd"}
-    assert seen("mask_shape") == {"3d", "none", "batch", "heads"}
-    assert any(c.softcap for c in MATRIX) and any(c.B > 1 and c.offsets == "varied" for c in MATRIX)
 
 
 # ---------------------------------------------------------------------------------------
@@ -436,108 +391,10 @@ def test_deterministic():
 
 
 # ---------------------------------------------------------------------------------------
-# Validation: every rule in csrc/validation.cpp, with the argument named in the message.
+# Validation under tracing: tests/backends.py's BAD_INPUTS (every rule in
+# csrc/validation.cpp), which tests/test_contract.py runs through the kernel, through the fake.
 
-def _ok():
-    return tree_inputs(B=2, Hq=4, Hkv=2, T=3, prefix=(5, 9), D=64, S=16)
-
-
-BAD_INPUTS = [
-    # (id, changes as a function of valid inputs, exception type, message pattern)
-    ("query rank", lambda i: dict(query=i["query"][0]), ValueError, r"query must be 4-D .*\[4, 3, 64\]"),
-    ("key rank", lambda i: dict(key=i["key"][0]), ValueError, r"key must be 4-D .*\[2, 16, 64\]"),
-    ("value rank", lambda i: dict(value=i["value"][None]), ValueError, r"value must be 4-D .*\[1, 2, 2, 16, 64\]"),
-    ("mask rank", lambda i: dict(mask=i["mask"][0]), ValueError, r"mask must be 3-D .* got shape \[3, 3\]"),
-    ("float64 everywhere", lambda i: {n: i[n].double() for n in ("query", "key", "value")}, TypeError,
-     r"query, key and value dtypes must be one of .*got query Double, key Double, value Double"),
-    ("key and value differ", lambda i: dict(key=i["key"].half()), TypeError,
-     r"got query Float, key Half, value Float"),
-    ("value differs", lambda i: dict(value=i["value"].bfloat16()), TypeError, r"got query Float, key Float, value BFloat16"),
-    ("half query over float32", lambda i: dict(query=i["query"].half()), TypeError,
-     r"got query Half, key Float, value Float"),
-    ("bf16 query over f16", lambda i: dict(query=i["query"].bfloat16(), key=i["key"].half(), value=i["value"].half()),
-     TypeError, r"got query BFloat16, key Half, value Half"),
-    ("f16 query over bf16", lambda i: dict(query=i["query"].half(), key=i["key"].bfloat16(),
-                                           value=i["value"].bfloat16()), TypeError, r"got query Half, key BFloat16"),
-    ("float64 query over f16", lambda i: dict(query=i["query"].double(), key=i["key"].half(), value=i["value"].half()),
-     TypeError, r"got query Double, key Half, value Half"),
-    ("int8 cache", lambda i: dict(key=i["key"].to(torch.int8), value=i["value"].to(torch.int8)), TypeError,
-     r"got query Float, key Char, value Char"),
-    ("head dim", lambda i: {n: i[n][..., :48] for n in ("query", "key", "value")}, ValueError,
-     r"query head dim D must be one of 64, 96, 128, 256, 512, got 48"),
-    ("head dim 1024", lambda i: {n: i[n].repeat(1, 1, 1, 16) for n in ("query", "key", "value")}, ValueError,
-     r"query head dim D must be one of 64, 96, 128, 256, 512, got 1024"),
-    ("sinks shape", lambda i: dict(sinks=torch.zeros(2)), ValueError, r"sinks must have shape \[Hq\] = \[4\], got \[2\]"),
-    ("sinks rank", lambda i: dict(sinks=torch.zeros(1, 4)), ValueError, r"sinks must have shape \[Hq\] = \[4\], got \[1, 4\]"),
-    ("sinks scalar", lambda i: dict(sinks=torch.tensor(0.5)), ValueError, r"sinks must have shape \[Hq\] = \[4\], got \[\]"),
-    ("sinks dtype", lambda i: dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError,
-     r"sinks must be a floating tensor .*got Long"),
-    ("sinks bool", lambda i: dict(sinks=torch.zeros(4, dtype=torch.bool)), TypeError, r"sinks must be a floating tensor .*got Bool"),
-    ("sinks on meta", lambda i: dict(sinks=torch.zeros(4, device="meta")), ValueError,
-     r"sinks must be on the query's device cpu, got meta"),
-    ("key batch", lambda i: dict(key=i["key"][:1], value=i["value"][:1]), ValueError,
-     r"key must be \[B, Hkv, S, D\] = \[2, Hkv, S, 64\].*got \[1, 2, 16, 64\]"),
-    ("key head dim", lambda i: dict(key=torch.randn(2, 2, 16, 128), value=torch.randn(2, 2, 16, 128)), ValueError,
-     r"key must be \[B, Hkv, S, D\].*got \[2, 2, 16, 128\]"),
-    ("value shape", lambda i: dict(value=i["value"][:, :, :15]), ValueError,
-     r"value shape must equal key shape \[2, 2, 16, 64\], got \[2, 2, 15, 64\]"),
-    ("gqa ratio", lambda i: dict(key=torch.randn(2, 3, 16, 64), value=torch.randn(2, 3, 16, 64)), ValueError,
-     r"Hq must be a positive multiple of key/value heads Hkv, got Hq=4 Hkv=3"),
-    ("no kv heads", lambda i: dict(key=torch.randn(2, 0, 16, 64), value=torch.randn(2, 0, 16, 64)), ValueError,
-     r"Hq=4 Hkv=0 \(query shape \[2, 4, 3, 64\], key shape \[2, 0, 16, 64\]\)"),
-    ("no query heads", lambda i: dict(query=i["query"][:, :0], sinks=None, mask=i["mask"]), ValueError,
-     r"query must have at least one head \(Hq >= 1 in \[B, Hq, T, D\]\), got shape \[2, 0, 3, 64\]"),
-    ("mask dtype", lambda i: dict(mask=i["mask"].to(torch.int32)), TypeError,
-     r"mask must be bool \(True = attend\) or floating \(additive bias\), got Int"),
-    ("mask batch", lambda i: dict(mask=torch.ones(3, 3, 3, dtype=torch.bool)), ValueError,
-     r"mask batch size must be B=2 or 1, got mask shape \[3, 3, 3\]"),
-    ("mask heads", lambda i: dict(mask=torch.ones(2, 2, 3, 3, dtype=torch.bool)), ValueError,
-     r"mask head size must be 1 or Hq=4, got mask shape \[2, 2, 3, 3\]"),
-    ("mask rows", lambda i: dict(mask=torch.ones(2, 4, 3, dtype=torch.bool)), ValueError,
-     r"mask query size must be T=3, got mask shape \[2, 4, 3\]"),
-    ("mask window", lambda i: dict(mask=torch.ones(2, 3, 17, dtype=torch.bool), mask_offset=None), ValueError,
-     r"mask window M=17 exceeds key capacity S=16"),
-    ("offset dtype", lambda i: dict(mask_offset=i["mask_offset"].float()), TypeError,
-     r"mask_offset must be int32 or int64, got Float"),
-    ("offset shape", lambda i: dict(mask_offset=torch.zeros(3, dtype=torch.int64)), ValueError,
-     r"mask_offset must have shape \[B\] = \[2\], got \[3\]"),
-    ("offset rank", lambda i: dict(mask_offset=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
-     r"mask_offset must have shape \[B\] = \[2\], got \[2, 1\]"),
-    ("negative offset", lambda i: dict(mask_offset=torch.tensor([3, -1])), ValueError,
-     r"mask_offset values must be >= 0, got min -1 in \[3, -1\]"),
-    ("offset past cache", lambda i: dict(mask_offset=torch.tensor([13, 14], dtype=torch.int32)), ValueError,
-     r"mask_offset \+ M must be <= S=16 for M=3, got max offset 14"),
-    ("scale inf", lambda i: dict(scale=math.inf), ValueError, r"scale must be a finite float32, got inf"),
-    ("scale nan", lambda i: dict(scale=NAN), ValueError, r"scale must be a finite float32, got nan"),
-    ("scale over float32", lambda i: dict(scale=1e39), ValueError, r"scale must be a finite float32, got 1e\+39"),
-    ("scale underflows float32", lambda i: dict(scale=1e-46), ValueError, r"scale 1e-46 rounds to 0 in float32"),
-    ("softcap zero", lambda i: dict(softcap=0.0), ValueError, r"softcap must be a positive finite float32 .*got 0"),
-    ("softcap negative", lambda i: dict(softcap=-2.0), ValueError, r"softcap must be a positive finite float32 .*got -2"),
-    ("softcap inf", lambda i: dict(softcap=math.inf), ValueError, r"softcap must be a positive finite float32 .*got inf"),
-    ("softcap underflows float32", lambda i: dict(softcap=1e-46), ValueError,
-     r"softcap must be a positive finite float32 .*got 1e-46"),
-    ("softcap over float32", lambda i: dict(softcap=1e39), ValueError, r"softcap must be a positive finite float32"),
-    # A meta tensor among CPU ones: the dispatcher picks the Meta kernel (the fake), which
-    # must refuse rather than return uninitialised CPU memory.
-    ("key on meta", lambda i: dict(key=i["key"].to("meta")), ValueError,
-     r"query, key, value and mask must be on one device, got query on cpu, key on meta"),
-    ("mask on meta", lambda i: dict(mask=i["mask"].to("meta")), ValueError, r"mask on meta"),
-    ("offset on meta", lambda i: dict(mask_offset=i["mask_offset"].to("meta")), ValueError,
-     r"mask_offset must be on the query's device cpu, got meta"),
-    ("query on meta", lambda i: dict(query=i["query"].to("meta")), ValueError, r"got query on meta, key on cpu"),
-]
-
-# Rules that need the offsets' values: a fake tensor has none, so only the kernel checks them.
-VALUE_RULES = {"negative offset", "offset past cache"}
-
-
-@pytest.mark.parametrize("op", ["forward", "forward_with_lse"])
-@pytest.mark.parametrize("make_bad, error, pattern", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
-def test_validation_names_the_argument(op, make_bad, error, pattern):
-    inputs = _ok()
-    inputs.update(make_bad(inputs))
-    with pytest.raises(error, match=pattern):
-        getattr(ops, op)(*args_of(inputs))
+_ok = valid_inputs
 
 
 @pytest.mark.parametrize("op", ["forward", "forward_with_lse"])
@@ -552,7 +409,7 @@ def test_fake_checks_the_same_rules(op, make_bad, error, pattern):
     inputs.update(make_bad(inputs))
     mode = FakeTensorMode()
     fake = {n: (mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
-    with mode, pytest.raises(error, match=pattern):
+    with mode, pytest.raises(error, match=pattern.replace("{device}", "cpu")):
         getattr(ops, op)(*args_of(fake))
 
 
@@ -609,15 +466,8 @@ def test_inner_stride_is_copied_not_misread():
 
 
 # ---------------------------------------------------------------------------------------
-# Non-finite values: NaN exactly in the rows that see one, nothing else touched.
-
-from tests.cases import check_nonfinite_case, nonfinite_cases  # noqa: E402
-
-
-@pytest.mark.parametrize("case, kind", nonfinite_cases(), ids=lambda x: str(x))
-def test_nonfinite_values_poison_exactly_the_rows_that_see_them(case, kind):
-    check_nonfinite_case(case, kind, lambda inputs: ops.forward_with_lse(*args_of(inputs)))
-
+# Non-finite values beyond tests/test_contract.py's table: NaN exactly in the rows that see
+# one, nothing else touched.
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("softcap", [None, 30.0])

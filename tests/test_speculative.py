@@ -61,7 +61,7 @@ def one_thread():
 
 
 def load_pair(device="cpu", dtype=torch.float32):
-    assert builtin.builtin_assets_present(), "the built-in weights are shipped under torch_tree_attn/assets"
+    assert builtin.builtin_assets_present(), "the built-in weights are kept under examples/assets"
     hf.register()
     target = builtin.load_builtin_target(dtype=dtype, device=device, attn_implementation="tree_attn")
     return target, builtin.load_builtin_draft(target, dtype=dtype, device=device)

@@ -1,55 +1,38 @@
 """The CUDA backend's Triton kernels (torch_tree_attn/triton_backend.py) without a GPU.
 
-Everything the kernels compute runs in one child process under Triton's interpreter
-(TRITON_INTERPRET=1 must be set before triton is imported; see
-tests/triton_interp_worker.py): a representative share of the parity matrix, every
-non-finite case, key splits (the reduce pass), NaN/inf in unused cache slots, clamped
-out-of-range offsets, validation through the shared C++ prepare(), and the CUDA
-registration. tests/test_cuda.py runs the whole matrix on a real GPU.
+Everything the kernels compute runs in one child process per session under Triton's
+interpreter (TRITON_INTERPRET=1 must be set before triton is imported; see
+tests/triton_interp_worker.py and tests/backends.py InterpreterRun). The contract's tables
+(a representative share of the parity matrix, every non-finite case, the bad-input table)
+are tests/test_contract.py's triton-interp items; this file reports the backend's own
+groups: key splits (the reduce pass), NaN/inf in unused cache slots, clamped out-of-range
+offsets, softcap and finite extremes, the API (validation through the shared C++
+prepare(), the CUDA registration). On a real GPU the contract runs as the cuda backend and
+tests/test_cuda.py runs the rest.
 
 The tile/split heuristics (pure Python) are checked here in-process.
 """
 import importlib.util
-import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.backends import INTERPRETER
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
 
-GROUPS = ("parity", "nonfinite", "splits", "unused_slots", "clamped_offsets", "extremes", "api")
-
-
-@pytest.fixture(scope="module")
-def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, "-m", "tests.triton_interp_worker", *GROUPS], cwd=str(ROOT), env=env,
-                          capture_output=True, text=True, timeout=900)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results.setdefault(r["group"], []).append(r)
-    assert results or proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return results, proc
+# The worker's own groups (its contract tables are tests/test_contract.py's triton-interp items).
+GROUPS = ("splits", "unused_slots", "clamped_offsets", "extremes", "api")
 
 
 @needs_triton
 @pytest.mark.parametrize("group", GROUPS)
-def test_interpreter(group, interpreter_results):
-    results, proc = interpreter_results
-    got = results.get(group, [])
-    assert got, f"group {group} produced no checks (worker rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    failed = [r for r in got if r["error"]]
+def test_interpreter(group):
+    got = INTERPRETER.group(group)
+    assert got, f"group {group} produced no checks ({INTERPRETER.failure_context()})"
+    failed = [(name, error) for name, error in got if error]
     assert not failed, f"{len(failed)} of {len(got)} failed:\n" + "\n".join(
-        f"--- {r['name']}\n{r['error']}" for r in failed[:5])
+        f"--- {name}\n{error}" for name, error in failed[:5])
 
 
 def test_heuristics():

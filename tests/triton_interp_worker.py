@@ -1,8 +1,12 @@
 """The CUDA backend's Triton kernels on CPU tensors, under Triton's interpreter.
 
-Run by tests/test_triton.py in a child process (TRITON_INTERPRET=1 must be set before
-triton is imported, and the parent pytest process may already have imported it). Prints
-one JSON line per check: {"group": ..., "name": ..., "error": null or the failure}.
+Run once per pytest session in a child process (tests/backends.py InterpreterRun;
+TRITON_INTERPRET=1 must be set before triton is imported, and the parent pytest process may
+already have imported it). Prints one JSON line per check: {"group": ..., "name": ...,
+"error": null or the failure}. The groups "parity", "forward", "bad_input" and "nonfinite"
+are the contract's tables (tests/backends.py: the triton-interp backend's share, the same
+check functions and names as tests/test_contract.py's items, which look them up); the
+others are this backend's own checks, reported through tests/test_triton.py.
 
     TRITON_INTERPRET=1 python -m tests.triton_interp_worker [group ...]
 """
@@ -17,30 +21,22 @@ import torch  # noqa: E402
 
 import torch_tree_attn  # noqa: E402,F401
 from torch_tree_attn import triton_backend as tb  # noqa: E402
-from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks, args_of, check_against_reference, check_nonfinite_case, make_inputs,  # noqa: E402
-                         nonfinite_cases, parity_matrix)
-
-# A representative share of the parity matrix: every 12th case reaches every (dtype pair,
-# head dim) combination about three times and every mask kind, window and rotation.
-PARITY_SHARE = slice(3, None, 12)
+from tests import backends  # noqa: E402
+from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks,  # noqa: E402
+                         args_of, check_against_reference, make_inputs)
 
 
 def run(inputs, **kw):
     return tb.forward_with_lse(*args_of(inputs), **kw)
 
 
-def parity():
-    for case in parity_matrix()[PARITY_SHARE]:
-        def check(case=case):
-            inputs = make_inputs(case)
-            out, lse = run(inputs)
-            check_against_reference(out, lse, inputs)
-        yield str(case), check
-
-
-def nonfinite():
-    for case, kind in nonfinite_cases():
-        yield f"{kind}-{case}", lambda case=case, kind=kind: check_nonfinite_case(case, kind, run)
+def table(name):
+    """The contract table's entries of the triton-interp backend, as tests/test_contract.py names them."""
+    def entries():
+        backend = backends.TRITON_INTERP
+        for item_name, args in backend.items(name):
+            yield item_name, lambda args=args: backends.CHECKS[name](backend, *args)
+    return entries
 
 
 # Long prefixes: the keys split across programs (forced counts too), the reduce pass merges
@@ -161,7 +157,8 @@ def api():
     yield "register-cuda-kernels", registration
 
 
-GROUPS = dict(parity=parity, nonfinite=nonfinite, splits=splits, unused_slots=unused_slots,
+GROUPS = dict(parity=table("parity"), forward=table("forward"), bad_input=table("bad_input"),
+              nonfinite=table("nonfinite"), splits=splits, unused_slots=unused_slots,
               clamped_offsets=clamped_offsets, extremes=extremes, api=api)
 
 

@@ -1,7 +1,7 @@
 """Compiles, in parallel, every kernel spec the GPU tests need that the prebuilt table lacks,
 so Triton's on-disk cache holds them before the tests run.
 
-tests/test_cuda.py's parity matrix runs in parallel shards (benchmarks/h200.sh); a spec the
+tests/test_contract.py's cuda items (the parity matrix, the non-finite table) run in parallel shards (benchmarks/h200.sh); a spec the
 prebuilt table lacks (a float32 query, D=96, mixed dtypes) would otherwise be compiled by
 every shard that meets it, one after another inside each. Here each is compiled once, by a
 pool of processes, through the same spec -> cubin path as the run-time fallback

@@ -3,11 +3,17 @@
 
 The target is a 12-layer transformers ``LlamaForCausalLM`` over bytes (9.6M parameters), trained
 on the Python sources of the CPython 3.11 standard library (PSF License Version 2, which permits
-derived works; see ``assets/NOTICE.txt``), so it writes Python-like code. The draft is an
+derived works; see ``examples/assets/NOTICE.txt``), so it writes Python-like code. The draft is an
 EAGLE-3 head (one layer, 1.1M parameters besides the shared embeddings) trained on that
 target's own hidden states and outputs. The target is twelve layers deep so that one of its
-decoding steps costs several draft steps, the regime speculative decoding is for. Both are shipped as
-float16 safetensors under ``assets/`` and loaded in the dtype asked for.
+decoding steps costs several draft steps, the regime speculative decoding is for. Both are kept as
+float16 safetensors in the repository's ``examples/assets/`` (not in the wheel: 21 MB of demo
+weights) and loaded in the dtype asked for.
+
+Where the weights are looked for (:func:`assets_dir`): the ``assets`` argument of the loaders,
+else the environment variable ``TORCH_TREE_ATTN_ASSETS``, else ``examples/assets`` of the
+checkout this package is imported from (an editable install or PYTHONPATH). An installed wheel
+has no checkout beside it: point one of the first two at a copy of ``examples/assets``.
 """
 import json
 import os
@@ -15,11 +21,66 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-TARGET_CONFIG = os.path.join(ASSETS, "builtin_target.json")
-TARGET_WEIGHTS = os.path.join(ASSETS, "builtin_target.safetensors")
-DRAFT_CONFIG = os.path.join(ASSETS, "builtin_draft.json")
-DRAFT_WEIGHTS = os.path.join(ASSETS, "builtin_draft.safetensors")
+# The environment variable that names the assets directory (see assets_dir).
+ASSETS_ENV = "TORCH_TREE_ATTN_ASSETS"
+# The file names inside the assets directory.
+TARGET_CONFIG = "builtin_target.json"
+TARGET_WEIGHTS = "builtin_target.safetensors"
+DRAFT_CONFIG = "builtin_draft.json"
+DRAFT_WEIGHTS = "builtin_draft.safetensors"
+ASSET_FILES = (TARGET_CONFIG, TARGET_WEIGHTS, DRAFT_CONFIG, DRAFT_WEIGHTS)
+
+
+def checkout_assets_dir() -> str:
+    """``examples/assets`` of the checkout this package lies in (it need not exist: an
+    installed package has no checkout beside it)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(os.path.dirname(package), "examples", "assets")
+
+
+def assets_dir(assets: Optional[str] = None) -> str:
+    """The directory the built-in models are read from: ``assets`` if given, else
+    $TORCH_TREE_ATTN_ASSETS if set and non-empty, else :func:`checkout_assets_dir`. Not
+    checked for existence (see :func:`find_assets`)."""
+    if assets:
+        return os.path.abspath(os.fspath(assets))
+    env = os.environ.get(ASSETS_ENV)
+    if env:
+        return os.path.abspath(env)
+    return checkout_assets_dir()
+
+
+def _where(assets: Optional[str]) -> str:
+    """How assets_dir chose its answer, for error messages."""
+    if assets:
+        return "the directory passed as assets"
+    if os.environ.get(ASSETS_ENV):
+        return f"${ASSETS_ENV}"
+    return f"the checkout's examples/assets (no assets argument, ${ASSETS_ENV} unset)"
+
+
+def missing_assets(assets: Optional[str] = None) -> List[str]:
+    """The built-in model files absent from assets_dir(assets), as full paths."""
+    root = assets_dir(assets)
+    return [os.path.join(root, name) for name in ASSET_FILES if not os.path.isfile(os.path.join(root, name))]
+
+
+def builtin_assets_present(assets: Optional[str] = None) -> bool:
+    return not missing_assets(assets)
+
+
+def find_assets(assets: Optional[str] = None) -> str:
+    """assets_dir(assets), or FileNotFoundError naming where it looked and what is missing."""
+    missing = missing_assets(assets)
+    root = assets_dir(assets)
+    if missing:
+        names = ", ".join(os.path.basename(p) for p in missing)
+        raise FileNotFoundError(
+            f"built-in model files not found: looked in {root} ({_where(assets)}); missing {names}. "
+            f"Pass assets=<dir> or set {ASSETS_ENV} to a copy of the repository's examples/assets, "
+            "or run examples/train_builtin.py to create them")
+    return root
+
 
 # The name the demo and the loaders accept in place of a path or hub id.
 BUILTIN = "builtin"
@@ -74,29 +135,25 @@ def target_config(**overrides):
     return LlamaConfig(**{**TARGET_ARCH, **overrides})
 
 
-def builtin_assets_present() -> bool:
-    return all(os.path.exists(p) for p in (TARGET_CONFIG, TARGET_WEIGHTS, DRAFT_CONFIG, DRAFT_WEIGHTS))
-
-
-def load_builtin_target(dtype: torch.dtype = torch.float32, device="cpu", attn_implementation: str = "sdpa"):
-    """The built-in byte-level Llama target, in eval mode."""
+def load_builtin_target(dtype: torch.dtype = torch.float32, device="cpu", attn_implementation: str = "sdpa",
+                        assets: Optional[str] = None):
+    """The built-in byte-level Llama target, in eval mode, from :func:`find_assets`'s directory."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if not os.path.exists(TARGET_WEIGHTS):
-        raise FileNotFoundError(
-            f"built-in target weights not found at {TARGET_WEIGHTS}; run examples/train_builtin.py to create them"
-        )
-    with open(TARGET_CONFIG) as f:
+    root = find_assets(assets)
+    with open(os.path.join(root, TARGET_CONFIG)) as f:
         config = LlamaConfig(**json.load(f))
     config._attn_implementation = attn_implementation
     model = LlamaForCausalLM(config)
-    model.load_state_dict(load_file(TARGET_WEIGHTS))
+    model.load_state_dict(load_file(os.path.join(root, TARGET_WEIGHTS)))
     return model.to(device=device, dtype=dtype).eval()
 
 
-def load_builtin_draft(target, dtype: torch.dtype = torch.float32, device="cpu"):
+def load_builtin_draft(target, dtype: torch.dtype = torch.float32, device="cpu", assets: Optional[str] = None):
     """The built-in EAGLE-3 draft for :func:`load_builtin_target`'s model."""
     from .eagle3 import load_eagle3_draft_files
 
-    return load_eagle3_draft_files(DRAFT_CONFIG, DRAFT_WEIGHTS, target).to(device=device, dtype=dtype).eval()
+    root = find_assets(assets)
+    draft = load_eagle3_draft_files(os.path.join(root, DRAFT_CONFIG), os.path.join(root, DRAFT_WEIGHTS), target)
+    return draft.to(device=device, dtype=dtype).eval()
