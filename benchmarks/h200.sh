@@ -12,8 +12,8 @@
 #             which also compiles the prebuilt kernels (csrc/cuda/build_kernels.py)
 #   core      tests/test_cuda.py: splits, unused slots, clamped offsets, no host sync, CUDA
 #             graphs, torch.compile, opcheck
-#   parity    tests/test_contract.py's cuda and cuda-triton items (TREE_ATTN_TEST_BACKENDS): the parity
-#             matrix (880 cases; a quarter again on the Triton kernel, which sm_90 otherwise skips), forward-vs-forward_with_lse, the bad-input and non-finite
+#   parity    tests/test_contract.py's cuda and cuda-auto items (TREE_ATTN_TEST_BACKENDS): the parity
+#             matrix (880 cases, on the default Triton kernel and again with kernel=auto: Hopper on sm_90), forward-vs-forward_with_lse, the bad-input and non-finite
 #             tables, after tests/warm_cuda_kernels.py has compiled
 #             the specs outside the prebuilt table, in $PARITY_SHARDS (16) parallel pytest processes
 #             (TREE_ATTN_TEST_SHARD=i/n), so Triton's compilations use the CPU cores, for
@@ -84,7 +84,7 @@ for s in $STAGES; do
       t=$(left); cap=${PARITY_S:-200}; [ "$cap" -lt "$t" ] && t=$cap
       start=$SECONDS; pids=(); n=${PARITY_SHARDS:-16}
       for i in $(seq 0 $((n - 1))); do
-        OMP_NUM_THREADS=1 TREE_ATTN_TEST_BACKENDS=cuda,cuda-triton TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" \
+        OMP_NUM_THREADS=1 TREE_ATTN_TEST_BACKENDS=cuda,cuda-auto TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" \
           $PYTEST tests/test_contract.py -k "not test_table_names" >"$OUT/parity-$i.log" 2>&1 &
         pids+=($!)
       done

@@ -355,21 +355,24 @@ class CUDA(Backend):
         return None
 
 
-class CUDATriton(CUDA):
-    """The CUDA backend with the portable Triton main kernel forced (kernel="triton"): on sm_90
-    the plan gives the Hopper kernel every call it covers, so this is what keeps the Triton
-    kernel proven there (elsewhere it is the cuda backend itself). Validation is shared, so
-    no bad-input table."""
+class CUDAKernel(CUDA):
+    """The CUDA backend with its main kernel forced (triton_backend.forward_with_lse(kernel=)):
+    "auto" puts every call the Hopper kernel covers on it on sm_90 (the default process choice
+    is the Triton kernel, which the plain cuda backend runs); "triton" keeps the Triton kernel
+    proven on sm_90 once auto becomes the default. Validation is shared: no bad-input table."""
 
-    name = "cuda-triton"
-    parity_share = slice(2, None, 4)
     forward_every = 0
     bad_inputs = False
+
+    def __init__(self, kernel: str, parity_share: slice = slice(None)):
+        self.kernel = kernel
+        self.name = f"cuda-{kernel}"
+        self.parity_share = parity_share
 
     def call(self, op, args):
         from torch_tree_attn import triton_backend
 
-        out, lse = triton_backend.forward_with_lse(*args, kernel="triton")
+        out, lse = triton_backend.forward_with_lse(*args, kernel=self.kernel)
         return (out, lse) if op == "forward_with_lse" else out
 
 
@@ -384,7 +387,8 @@ class MPS(Backend):
         return None
 
 
-ALL_BACKENDS = (CPU(), Simulator(), SimulatorVector(), TritonInterpreter(), CUDA(), CUDATriton(), MPS())
+ALL_BACKENDS = (CPU(), Simulator(), SimulatorVector(), TritonInterpreter(), CUDA(), CUDAKernel("auto"),
+                CUDAKernel("triton", slice(2, None, 4)), MPS())
 BY_NAME = {b.name: b for b in ALL_BACKENDS}
 TRITON_INTERP = BY_NAME["triton-interp"]
 

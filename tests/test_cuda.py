@@ -129,8 +129,8 @@ def _run_kernel(kernel):
 
 
 def test_hopper_kernel_is_chosen_on_sm90_and_agrees_with_triton():
-    """(tests/test_contract.py's cuda-triton backend runs a share of the parity matrix on the
-    Triton kernel.) On sm_90 a bf16/fp16 D=64/128 verify call takes the Hopper kernel (else the Triton
+    """(tests/test_contract.py's cuda-auto backend runs the parity matrix with kernel="auto":
+    on sm_90 the Hopper kernel wherever it covers.) On sm_90 a bf16/fp16 D=64/128 verify call takes the Hopper kernel (else the Triton
     kernel), both match the reference and each other; forcing 'hopper' on a call it does not
     cover raises with the reason."""
     from torch_tree_attn import _C
@@ -140,12 +140,12 @@ def test_hopper_kernel_is_chosen_on_sm90_and_agrees_with_triton():
                       sinks=torch.float32, seed=32)):
         inputs = make_inputs(case)
         cuda = to_cuda(inputs)
-        plan, main, _ = _C.cuda_plan_launch(*args_of(cuda), arch=_arch(),
+        plan, main, _ = _C.cuda_plan_launch(*args_of(cuda), arch=_arch(), kernel="auto",
                                             num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
         assert plan.kernel == ("hopper" if _arch() == 90 else "triton")
         out_t, lse_t = _run_kernel("triton")(inputs)
         check_against_reference(out_t, lse_t, inputs)
-        out_a, lse_a = run_cuda(inputs)
+        out_a, lse_a = _run_kernel("auto")(inputs)
         check_against_reference(out_a, lse_a, inputs)
         if _arch() == 90:
             out_h, lse_h = _run_kernel("hopper")(inputs)
@@ -166,7 +166,7 @@ def test_kernel_choice_from_the_environment():
 
     root = pathlib.Path(__file__).resolve().parents[1]
     code = "import torch_tree_attn; from torch_tree_attn import _C; print(_C.cuda_kernel_choice())"
-    for value, want in (("triton", "triton"), ("hopper", "hopper"), ("", "auto")):
+    for value, want in (("triton", "triton"), ("hopper", "hopper"), ("auto", "auto"), ("", "triton")):
         env = dict(os.environ, PYTHONPATH=str(root), TORCH_TREE_ATTN_CUDA_KERNEL=value)
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == want, proc.stderr[-2000:]

@@ -84,10 +84,25 @@ def test_prebuilt_table_covers_user_calls(name, arch):
     """No compilation on a user's first call: every kernel such a call launches is in the
     prebuilt table (the table the build compiles, by spec)."""
     table = {tuple(sorted(s.items())) for s in build_kernels.prebuilt_specs([arch])}
-    plan, main, reduce = _C.cuda_plan_launch(*_call(**USER_CALLS[name]), arch=arch, num_sms=132 if arch == 90 else 108)
-    assert tuple(sorted(main.items())) in table, f"main kernel not prebuilt: {main}"
-    if plan.num_splits > 1:
-        assert tuple(sorted(reduce.items())) in table, f"reduce kernel not prebuilt: {reduce}"
+    for kernel in ("triton", "auto"):
+        plan, main, reduce = _C.cuda_plan_launch(*_call(**USER_CALLS[name]), arch=arch,
+                                                 num_sms=132 if arch == 90 else 108, kernel=kernel)
+        if main["kind"] == 2 and not build_kernels.have_gluon():
+            continue    # this triton cannot build the Hopper kernels (the table has none)
+        assert tuple(sorted(main.items())) in table, f"main kernel not prebuilt: {main}"
+        if plan.num_splits > 1:
+            assert tuple(sorted(reduce.items())) in table, f"reduce kernel not prebuilt: {reduce}"
+
+
+def test_default_kernel_is_triton():
+    """The Hopper kernel is opt-in (TORCH_TREE_ATTN_CUDA_KERNEL=auto) until it has run on a GPU."""
+    import os
+
+    assert triton_backend.DEFAULT_KERNEL == "triton"
+    if not os.environ.get("TORCH_TREE_ATTN_CUDA_KERNEL"):
+        assert _C.cuda_kernel_choice() == "triton"
+        plan, _, _ = _C.cuda_plan_launch(*_call(), arch=90, num_sms=132)
+        assert plan.kernel == "triton"
 
 
 def test_plan_launch_is_the_plan_and_flags_what_the_kernels_need():
@@ -136,11 +151,11 @@ def test_hopper_is_chosen_on_sm90_for_what_it_covers(name):
     call = _call(**USER_CALLS[name])
     q = call[0]
     covered = q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in _C.hopper_table()
-    plan, main, _ = _C.cuda_plan_launch(*call, arch=90, num_sms=132)
+    plan, main, _ = _C.cuda_plan_launch(*call, arch=90, num_sms=132, kernel="auto")
     assert (plan.kernel, main["kind"]) == (("hopper", 2) if covered else ("triton", 0))
     assert (_C.cuda_hopper_why_not(*call) == "") == covered
     for arch in (80, 89, 100):
-        plan, main, _ = _C.cuda_plan_launch(*call, arch=arch, num_sms=132)
+        plan, main, _ = _C.cuda_plan_launch(*call, arch=arch, num_sms=132, kernel="auto")
         assert (plan.kernel, main["kind"]) == ("triton", 0)
         assert "sm_90" in _C.cuda_hopper_why_not(*call, arch=arch)
     plan, main, _ = _C.cuda_plan_launch(*call, arch=90, num_sms=132, kernel="triton")
@@ -161,7 +176,7 @@ def test_hopper_falls_back_where_tma_cannot_address_the_cache():
     k_odd = torch.randn(k.shape[0], k.shape[1], k.shape[2], 129, dtype=k.dtype)[..., :128]
     why = _C.cuda_hopper_why_not(q, k_odd, v, m, off)
     assert "key's strides" in why and "16-byte" in why
-    plan, main, _ = _C.cuda_plan_launch(q, k_odd, v, m, off, *rest, arch=90, num_sms=132)
+    plan, main, _ = _C.cuda_plan_launch(q, k_odd, v, m, off, *rest, arch=90, num_sms=132, kernel="auto")
     assert plan.kernel == "triton" and main["kind"] == 0
     # A base one element past a 16-byte boundary.
     flat = torch.randn(k.numel() + 8, dtype=k.dtype)
@@ -181,7 +196,7 @@ def test_hopper_plan_is_the_kernels_model(P, B, T, Hq):
     from torch_tree_attn import gluon_kernels as gk
 
     call = _call(B=B, T=T, P=P, Hq=Hq)
-    plan, main, reduce = _C.cuda_plan_launch(*call, arch=90, num_sms=132)
+    plan, main, reduce = _C.cuda_plan_launch(*call, arch=90, num_sms=132, kernel="auto")
     cw, bn, stages = gk.DEFAULT_CONFIG[128]
     S, M, G = P + T, T, Hq // 8
     assert (plan.kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages) == ("hopper", 16 * cw, bn, cw,

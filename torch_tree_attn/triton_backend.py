@@ -27,6 +27,10 @@ from . import _C
 
 KERNELS_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 MANIFEST = KERNELS_DIR / "manifest.json"
+# The main kernel a process uses unless TORCH_TREE_ATTN_CUDA_KERNEL says otherwise: the
+# portable Triton kernel, until the Hopper kernel (gluon_kernels.py, "auto") has passed the
+# GPU parity matrix; then "auto".
+DEFAULT_KERNEL = "triton"
 INTERPRETER_SMS = 4   # a small pretend GPU under the interpreter: long key ranges split
 
 
@@ -74,10 +78,10 @@ def register() -> None:
                                 entry["shared"], entry["num_warps"], entry["scratch_args"], True,
                                 entry.get("tma", []))
     _C.cuda_set_compiler(compile_for_launcher)
-    # TORCH_TREE_ATTN_CUDA_KERNEL: the main kernel on sm_90: "auto" (the Hopper kernel for the
-    # calls it covers, the default), "triton" (always the portable kernel), "hopper" (raise
-    # for a call it does not cover).
-    choice = os.environ.get("TORCH_TREE_ATTN_CUDA_KERNEL", "auto").strip().lower() or "auto"
+    # TORCH_TREE_ATTN_CUDA_KERNEL: the main kernel on sm_90: "triton" (the portable kernel,
+    # DEFAULT_KERNEL), "auto" (the Hopper kernel for the calls it covers), "hopper" (raise for
+    # a call it does not cover).
+    choice = os.environ.get("TORCH_TREE_ATTN_CUDA_KERNEL", DEFAULT_KERNEL).strip().lower() or DEFAULT_KERNEL
     try:
         _C.cuda_set_kernel_choice(choice)
     except ValueError as e:

@@ -123,7 +123,8 @@ void push_tensor_map(Args& a, const at::Tensor& t, const TmaMeta& meta) {
   for (int i = 0; i < 4; ++i) a.i64(st[i]);
 }
 
-std::atomic<int> g_default_choice{int(KernelChoice::Auto)};
+// Triton until the Hopper kernel has run on a GPU (README, "The CUDA kernels"): auto opts in.
+std::atomic<int> g_default_choice{int(KernelChoice::Triton)};
 
 void launch(const LoadedKernel& k, int64_t gx, int64_t gy, int64_t gz, Args& args, void* stream) {
   TORCH_CHECK(gx > 0 && gx <= std::numeric_limits<int32_t>::max() && gy > 0 && gy <= 65535 && gz > 0 && gz <= 65535,
