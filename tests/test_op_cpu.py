@@ -340,6 +340,28 @@ def test_float32_query_over_half_cache_keeps_float32_precision(kv_dtype, D):
     check_against_reference(mixed, None, dict(inputs, query=q32))
 
 
+@pytest.mark.parametrize("D", [256, 512])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_float32_scores_of_alike_terms_stay_within_float32_bound(D, contiguous):
+    # Issue 23: query and key rows constant along D (stride-0 views, as the fuzzer's
+    # expand_d layouts make them, or copies) of a large magnitude. Every q_d k_d of a score
+    # is the same number, so the roundings of one running float32 sum over D add up
+    # coherently (about D/4 ulp of the score): one sum gave 1.9x (D = 256) and 5.5x
+    # (D = 512) the bound here; blocks of 32 head dims stay within about half of it.
+    gen = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, T, P = 1, 4, 1, 8, 292
+    q = (torch.randn(B, Hq, T, 1, generator=gen) * 4 * D ** -0.25).expand(B, Hq, T, D)
+    k = (torch.randn(B, Hkv, P + T, 1, generator=gen) * 4 * D ** -0.25).expand(B, Hkv, P + T, D)
+    v = torch.randn(B, Hkv, P + T, D, generator=gen)
+    if contiguous:
+        q, k = q.contiguous(), k.contiguous()
+    for scale in (None, 0.5):
+        inputs = dict(query=q, key=k, value=v, mask=torch.ones(B, T, T, dtype=torch.bool),
+                      mask_offset=torch.tensor([P]), scale=scale, softcap=None)
+        out, lse = ops.forward_with_lse(*args_of(inputs))
+        check_against_reference(out, lse, inputs)
+
+
 def test_scale_and_softcap_are_applied_in_contract_order():
     inputs = tree_inputs(B=1, Hq=2, Hkv=1, T=6, prefix=(20,), D=64)
     inputs["mask"] = torch.where(inputs["mask"], torch.randn(inputs["mask"].shape), -math.inf)

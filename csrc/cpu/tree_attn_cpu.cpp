@@ -179,20 +179,35 @@ constexpr int kKeyTile = 8;   // keys per score tile
 constexpr int kRowTile = 8;   // rows per value tile (divides kLanes)
 constexpr int kWide = 2;      // vectors per tile row: 32 rows (scores) or 32 dims (values)
 
+// Scores are summed in blocks of kDotChunk head dims, the blocks' sums added in st. One
+// running float32 sum over all D terms rounds at the size of the partial sum: when the
+// terms are alike (same sign and size, as for rows constant along D) those roundings add
+// up coherently, a relative error of about D/4 ulp (64 at D = 256), which the softmax
+// turns into an output error beyond float32's bound. Blocks of 32 keep it near 9 ulp at
+// every D (the output within the bound) for one load, add and store per accumulator a
+// block, which costs nothing measurable; blocks of 16 (or 16 summed pairwise) halve it
+// but cost 4-10 % of the kernel.
+constexpr int64_t kDotChunk = 32;
+
 // st[i][r] = sum_d k[i][d] * qt[d][r] for i < MR keys, r < NV * kLanes rows.
 template <int MR, int NV>
 inline void score_tile(const float* k, int64_t k_stride, const float* qt, int64_t rp, int64_t D, float* st) {
-  Vec acc[MR][NV] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    Vec q[NV];
-    for (int v = 0; v < NV; ++v) q[v] = load(qt + d * rp + v * kLanes);
-    for (int i = 0; i < MR; ++i) {
-      const Vec kb = splat(k[i * k_stride + d]);
-      for (int v = 0; v < NV; ++v) acc[i][v] += kb * q[v];
+  for (int64_t d0 = 0; d0 < D; d0 += kDotChunk) {
+    Vec acc[MR][NV] = {};
+    for (int64_t d = d0; d < d0 + kDotChunk; ++d) {
+      Vec q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = load(qt + d * rp + v * kLanes);
+      for (int i = 0; i < MR; ++i) {
+        const Vec kb = splat(k[i * k_stride + d]);
+        for (int v = 0; v < NV; ++v) acc[i][v] += kb * q[v];
+      }
     }
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) {
+        float* dst = st + i * rp + v * kLanes;
+        store(dst, d0 == 0 ? acc[i][v] : load(dst) + acc[i][v]);
+      }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) store(st + i * rp + v * kLanes, acc[i][v]);
 }
 
 // o[i][c] += sum_j pt[j][i] * vv[j][c] for i < MR rows, c < NV * kLanes dims.
