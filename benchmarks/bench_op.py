@@ -35,9 +35,9 @@ On CUDA (`--device cuda`) the run is a different table, every method under a CUD
 (captured after warm-up, timed over replays with CUDA events), bfloat16:
 
 - tree_attn: the op as users call it, compact mask and mask_offset (the process's default
-  kernel: Triton unless TORCH_TREE_ATTN_CUDA_KERNEL says otherwise);
-- tree_attn_auto: the same call with kernel="auto" (on sm_90 the Hopper Gluon kernel where it
-  covers the call, else the Triton kernel); the last column names the kernel it took;
+  kernel choice, "auto": on sm_90 the Hopper Gluon kernel where it covers the call, else the
+  Triton kernel); the last column names the kernel it took;
+- tree_attn_triton: the same call on the portable Triton kernel (kernel="triton");
 - sdpa: F.scaled_dot_product_attention, dense bool mask, enable_gqa=True;
 - flex: torch.nn.attention.flex_attention (compiled), 64x64 block mask built once from
   the tree (prefix blocks full, tree blocks partial);
@@ -298,18 +298,18 @@ def limit_us(x):
     return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e6
 
 
-def tree_attn_auto(x):
+def tree_attn_triton(x):
     from torch_tree_attn import triton_backend
 
     return triton_backend.forward_with_lse(x["q"], x["k"], x["v"], x["tree"], x["offsets"], x["shape"].scale, None,
-                                           x["sinks"], kernel="auto")[0]
+                                           x["sinks"], kernel="triton")[0]
 
 
 def cuda_main(args):
     props = torch.cuda.get_device_properties(0)
     print(f"torch {torch.__version__}, {props.name} ({props.multi_processor_count} SMs); Hq={HQ} Hkv={HKV}, "
           f"random tree; every method under a CUDA graph; us = median of replays")
-    methods = ("tree_attn", "tree_attn_auto", "sdpa", "flex", "cascade")
+    methods = ("tree_attn", "tree_attn_triton", "sdpa", "flex", "cascade")
     peers = ("sdpa", "flex", "cascade")
     header = (f"{'B':>2} {'T':>3} {'P':>6} {'D':>3} {'dtype':>8} | " + " | ".join(f"{m[:16]:>16} us" for m in methods)
               + f" | {'best peer/ours':>14} | {'limit us':>8} | ours % of limit")
@@ -324,14 +324,14 @@ def cuda_main(args):
         shape = dict(dict(D=D, dtype="bfloat16"), **shape)
         dtype = DTYPES[shape["dtype"]]
         x = make_problem(Shape(Hq=HQ, Hkv=HKV, D=shape["D"]), shape["P"], dtype, "cuda", B=shape["B"], T=shape["T"])
-        builders = dict(tree_attn=lambda: (lambda: tree_attn(x)), tree_attn_auto=lambda: (lambda: tree_attn_auto(x)),
+        builders = dict(tree_attn=lambda: (lambda: tree_attn(x)), tree_attn_triton=lambda: (lambda: tree_attn_triton(x)),
                         sdpa=lambda: (lambda: sdpa(x)), flex=lambda: flex_method(x), cascade=lambda: cascade_method(x))
         row = dict(shape, us={}, max_abs_diff={}, errors={})
         try:
             from torch_tree_attn import _C
 
             row["kernel"] = _C.cuda_plan_launch(x["q"], x["k"], x["v"], x["tree"], x["offsets"],
-                                                arch=props.major * 10 + props.minor, kernel="auto",
+                                                arch=props.major * 10 + props.minor,
                                                 num_sms=props.multi_processor_count)[0].kernel
         except Exception:  # noqa: BLE001
             row["kernel"] = "?"
@@ -350,16 +350,16 @@ def cuda_main(args):
         ours = row["us"].get("tree_attn")
         peer_us = [row["us"][m] for m in peers if m in row["us"]]
         row["best_peer_over_ours"] = (min(peer_us) / ours) if ours and peer_us else None
-        auto = row["us"].get("tree_attn_auto")
-        row["best_peer_over_auto"] = (min(peer_us) / auto) if auto and peer_us else None
+        tri = row["us"].get("tree_attn_triton")
+        row["best_peer_over_triton"] = (min(peer_us) / tri) if tri and peer_us else None
         row["fraction_of_limit"] = {m: row["limit_us"] / t for m, t in row["us"].items()}
         rows.append(row)
         cells = " | ".join(f"{row['us'][m]:>19.1f}" if m in row["us"] else f"{'error':>19}" for m in methods)
         ratio = f"{row['best_peer_over_ours']:>13.2f}x" if row["best_peer_over_ours"] else f"{'-':>14}"
         frac = f"{100 * row['fraction_of_limit']['tree_attn']:.0f}%" if ours else "-"
         print(f"{shape['B']:>2} {shape['T']:>3} {shape['P']:>6} {shape['D']:>3} {shape['dtype'][:8]:>8} | {cells} | "
-              f"{ratio} | {row['limit_us']:>8.1f} | {frac}; auto ({row['kernel']}): "
-              f"{row['best_peer_over_auto'] or float('nan'):.2f}x peer", flush=True)
+              f"{ratio} | {row['limit_us']:>8.1f} | {frac}; kernel {row['kernel']}; the Triton kernel: "
+              f"{row['best_peer_over_triton'] or float('nan'):.2f}x peer", flush=True)
         for name, err in row["errors"].items():
             print(f"    {name}: {err}")
         del x

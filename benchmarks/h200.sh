@@ -12,8 +12,9 @@
 #             which also compiles the prebuilt kernels (csrc/cuda/build_kernels.py)
 #   core      tests/test_cuda.py: splits, unused slots, clamped offsets, no host sync, CUDA
 #             graphs, torch.compile, opcheck
-#   parity    tests/test_contract.py's cuda and cuda-auto items (TREE_ATTN_TEST_BACKENDS): the parity
-#             matrix (880 cases, on the default Triton kernel and again with kernel=auto: Hopper on sm_90), forward-vs-forward_with_lse, the bad-input and non-finite
+#   parity    tests/test_contract.py's cuda and cuda-triton items (TREE_ATTN_TEST_BACKENDS): the parity
+#             matrix (880 cases, on the default kernel choice -- the Hopper kernel on sm_90 where it
+#             covers -- and again on the Triton kernel), forward-vs-forward_with_lse, the bad-input and non-finite
 #             tables, after tests/warm_cuda_kernels.py has compiled
 #             the specs outside the prebuilt table, in $PARITY_SHARDS (16) parallel pytest processes
 #             (TREE_ATTN_TEST_SHARD=i/n), so Triton's compilations use the CPU cores, for
@@ -26,6 +27,9 @@
 #   launch    benchmarks/bench_launch.py -> $OUT/launch.{log,json}: eager host cost, first call
 #   e2e       benchmarks/bench_e2e.py --device cuda -> $OUT/e2e.{log,json,png}
 #   tune      benchmarks/tune_cuda.py $TUNE_ARGS -> $OUT/tune.{log,json} (not in the default stages)
+#   fuzz      python -m tests.test_fuzz --cuda --count $FUZZ_CUDA_CASES (2000): the differential
+#             fuzzer on the GPU, batched, after compiling its kernel specs outside the prebuilt
+#             table; prints failures and cases per second
 #   suite     builds tests/sim, then the rest of tests/
 set -u
 cd "$(dirname "$0")/.."
@@ -36,7 +40,7 @@ PY=${PYTHON:-python3}
 BUDGET=${H200_BUDGET_S:-570}
 # triton (the interpreter run) is not a default stage: triton 3.6's interpreter fails with
 # numpy 2.x (int() of a one-element array in its range()); CI runs it with a current triton.
-STAGES=${*:-install core launch e2e parity hf eagle3 bench suite}
+STAGES=${*:-install core launch e2e parity fuzz hf eagle3 bench suite}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export MAX_JOBS=${MAX_JOBS:-16}
 if [ -z "${CXX:-}" ] && [ -x /opt/gcc/bin/g++ ]; then
@@ -84,7 +88,7 @@ for s in $STAGES; do
       t=$(left); cap=${PARITY_S:-200}; [ "$cap" -lt "$t" ] && t=$cap
       start=$SECONDS; pids=(); n=${PARITY_SHARDS:-16}
       for i in $(seq 0 $((n - 1))); do
-        OMP_NUM_THREADS=1 TREE_ATTN_TEST_BACKENDS=cuda,cuda-auto TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" \
+        OMP_NUM_THREADS=1 TREE_ATTN_TEST_BACKENDS=cuda,cuda-triton TREE_ATTN_TEST_SHARD=$i/$n timeout --kill-after=10 "$t" \
           $PYTEST tests/test_contract.py -k "not test_table_names" >"$OUT/parity-$i.log" 2>&1 &
         pids+=($!)
       done
@@ -105,13 +109,14 @@ for s in $STAGES; do
     triton) stage triton 200 env TREE_ATTN_TEST_BACKENDS=triton-interp $PYTEST tests/test_triton.py tests/test_contract.py ;;
     hf) stage hf 300 env TREE_ATTN_TEST_DEVICE=cuda $PYTEST tests/test_hf.py ;;
     eagle3) stage eagle3 200 $PY examples/eagle3_verify.py --device cuda --check ;;
+    fuzz) stage fuzz ${FUZZ_S:-300} $PY -m tests.test_fuzz --cuda --count ${FUZZ_CUDA_CASES:-2000} ;;
     tune) stage tune ${TUNE_S:-420} $PY benchmarks/tune_cuda.py --max-seconds $(( ${TUNE_S:-420} - 40 )) --json "$OUT/tune.json" ${TUNE_ARGS:-} ;;
     suite)
       stage sim-build 200 $PY -m pip install --no-build-isolation --no-deps ./tests/sim
       # The contract's cpu and sim items (its cuda ones ran in the parity stage).
       stage suite 600 env TREE_ATTN_TEST_BACKENDS=cpu,sim,sim-vector $PYTEST tests --ignore=tests/test_cuda.py \
         --ignore=tests/test_triton.py ;;
-    *) echo "unknown stage $s (install core parity hf eagle3 bench triton suite tune)"; exit 2 ;;
+    *) echo "unknown stage $s (install core launch e2e parity fuzz hf eagle3 bench triton suite tune)"; exit 2 ;;
   esac
 done
 echo "== done in ${SECONDS}s; logs in $OUT" | tee -a "$OUT/summary.txt"

@@ -357,9 +357,9 @@ class CUDA(Backend):
 
 class CUDAKernel(CUDA):
     """The CUDA backend with its main kernel forced (triton_backend.forward_with_lse(kernel=)):
-    "auto" puts every call the Hopper kernel covers on it on sm_90 (the default process choice
-    is the Triton kernel, which the plain cuda backend runs); "triton" keeps the Triton kernel
-    proven on sm_90 once auto becomes the default. Validation is shared: no bad-input table."""
+    "triton" keeps the portable Triton kernel proven on sm_90, where the default ("auto", the
+    plain cuda backend) puts every call the Hopper kernel covers on it. Validation is shared:
+    no bad-input table."""
 
     forward_every = 0
     bad_inputs = False
@@ -387,8 +387,7 @@ class MPS(Backend):
         return None
 
 
-ALL_BACKENDS = (CPU(), Simulator(), SimulatorVector(), TritonInterpreter(), CUDA(), CUDAKernel("auto"),
-                CUDAKernel("triton", slice(2, None, 4)), MPS())
+ALL_BACKENDS = (CPU(), Simulator(), SimulatorVector(), TritonInterpreter(), CUDA(), CUDAKernel("triton"), MPS())
 BY_NAME = {b.name: b for b in ALL_BACKENDS}
 TRITON_INTERP = BY_NAME["triton-interp"]
 

@@ -75,6 +75,11 @@ USER_CALLS = {
     "gemma4-global-D512": dict(Hq=8, Hkv=2, D=512, T=64, P=4096),
     "gpt-oss-sinks": dict(Hq=64, Hkv=8, D=64, sinks=True, T=64),
     "decode-step": dict(T=1, P=4000),
+    # The built-in EAGLE-3 demo (float32 by default, so that it can check exactness): its
+    # target's tree verify and its drafter's steps.
+    "builtin-demo-verify": dict(dtype=torch.float32, Hq=4, Hkv=2, D=64, T=60, P=40),
+    "builtin-demo-draft": dict(dtype=torch.float32, Hq=4, Hkv=2, D=64, T=10, P=300),
+    "float32-llama": dict(dtype=torch.float32, T=64, P=4096),
 }
 
 
@@ -94,15 +99,22 @@ def test_prebuilt_table_covers_user_calls(name, arch):
             assert tuple(sorted(reduce.items())) in table, f"reduce kernel not prebuilt: {reduce}"
 
 
-def test_default_kernel_is_triton():
-    """The Hopper kernel is opt-in (TORCH_TREE_ATTN_CUDA_KERNEL=auto) until it has run on a GPU."""
+def test_default_kernel_is_auto():
+    """The process default is "auto": on sm_90 the Hopper kernel for a call it covers, else the
+    Triton kernel; an install that can neither load nor compile the Hopper kernel falls back to
+    the Triton kernel."""
     import os
 
-    assert triton_backend.DEFAULT_KERNEL == "triton"
+    assert triton_backend.DEFAULT_KERNEL == "auto"
     if not os.environ.get("TORCH_TREE_ATTN_CUDA_KERNEL"):
-        assert _C.cuda_kernel_choice() == "triton"
+        available = triton_backend.hopper_available(triton_backend.load_manifest())
+        assert _C.cuda_kernel_choice() == ("auto" if available else "triton")
         plan, _, _ = _C.cuda_plan_launch(*_call(), arch=90, num_sms=132)
+        assert plan.kernel == ("hopper" if available else "triton")
+        plan, _, _ = _C.cuda_plan_launch(*_call(), arch=80, num_sms=108)
         assert plan.kernel == "triton"
+    assert triton_backend.hopper_available([dict(spec=dict(kind=2))])
+    assert triton_backend.hopper_available([]) == build_kernels.have_gluon()
 
 
 def test_plan_launch_is_the_plan_and_flags_what_the_kernels_need():
@@ -202,7 +214,7 @@ def test_hopper_plan_is_the_kernels_model(P, B, T, Hq):
     assert (plan.kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages) == ("hopper", 16 * cw, bn, cw,
                                                                                           stages)
     assert plan.row_blocks == -(-G * T // (16 * cw))
-    splits, window_units = gk.choose_splits(S, M, plan.row_blocks * B * 8, 132, bn)
+    splits, window_units = gk.choose_splits(S, M, plan.row_blocks * B * 8, 132, bn, per_sm=2 if cw == 4 else 1)
     assert (plan.num_splits, plan.window_units) == (splits, window_units)
     assert main == dict(main, kind=2, block_m=16 * cw, block_n=bn, block_d=128, window_n=0, num_warps=cw,
                         num_stages=stages, skip_unseen=0, aligned=1, wide=0)

@@ -5,23 +5,32 @@ Every case is a pure function of (base seed, stream, case index): ``draw_params`
 them into a flat dict of parameters (printed on failure), ``build`` turns that into the
 call's tensors and what the contract expects of it, ``run_case`` calls the op and checks.
 
-Two streams:
+Three streams:
 
-- ``cpu``: ``FUZZ_CASES`` cases (default 10000) through ``torch.ops.tree_attn``, split into
-  ``CPU_CHUNKS`` pytest tests so that a failure localises. About 12 % are deliberately
-  invalid calls that must raise ValueError / TypeError naming the offending argument;
-  about 20 % carry one injected non-finite value (or garbage in keys no row sees), whose
-  effect is checked exactly: poisoned rows all NaN (output and lse), others untouched.
+- ``cpu``: ``FUZZ_CASES`` cases (default 40000, about 2.5 minutes on 2 idle cores) through
+  ``torch.ops.tree_attn``, split into ``CPU_CHUNKS`` pytest tests so that a failure
+  localises. About 12 % are deliberately invalid calls that must raise ValueError /
+  TypeError naming the offending argument; about 20 % carry one injected non-finite value
+  (or garbage in keys no row sees), whose effect is checked exactly: poisoned rows all NaN
+  (output and lse), others untouched.
 - ``sim``: ``FUZZ_SIM_CASES`` cases (default 300, the simulator is ~100x slower a call)
   through ``torch.ops.tree_attn_sim`` (the Metal shaders under the MPS launch plan): valid
   calls, calls with out-of-range offsets (which the kernels clamp: checked against the
   equivalent in-range call per batch row), non-finite injections and a few invalid calls.
+- ``cuda``: ``FUZZ_CUDA_CASES`` cases (default 2000) through ``torch.ops.tree_attn`` on a
+  CUDA device, drawn as the cpu stream's except that offsets may be out of range (the CUDA
+  backend clamps them, as the simulator's) and no invalid call breaks a rule of offset
+  values. ``run_batched`` runs them: each case is built on the host, copied to the device
+  with its layout (``to_device``), and a group of cases is launched before one sync; the
+  float64 reference then checks each on the host. ``warm_cuda`` compiles first, in
+  parallel, the kernel specs the cases meet that the prebuilt table lacks. The same runner
+  with device cpu (the stream's cases minus the clamped ones) is a CPU test.
 
 Environment:
 
 - ``FUZZ_SEED`` (default 20261202, fixed so CI is deterministic). Set another value, e.g.
   ``FUZZ_SEED=$RANDOM``, to explore new cases; a failure prints its seed.
-- ``FUZZ_CASES``, ``FUZZ_SIM_CASES``: case counts.
+- ``FUZZ_CASES``, ``FUZZ_SIM_CASES``, ``FUZZ_CUDA_CASES``: case counts.
 - ``FUZZ_NONFINITE`` (default "1"): "0" turns the non-finite injections off (the cases
   still run, as valid cases without the injected value).
 - ``FUZZ_OVERFLOW`` (default "0"): "1" adds score-overflow injections (see NONFINITE_KINDS).
@@ -31,12 +40,13 @@ Environment:
 
 Reproduce one case (a failure prints this line)::
 
-    python -m tests.test_fuzz --seed 20261202 --case 1234 [--sim]
+    python -m tests.test_fuzz --seed 20261202 --case 1234 [--sim | --cuda]
 
-or a range: ``python -m tests.test_fuzz --first 0 --count 2000 [--sim]``.
+or a range: ``python -m tests.test_fuzz --first 0 --count 2000 [--sim | --cuda [--device cpu]]``.
 """
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -67,8 +77,11 @@ def _env_int(name: str, default: int) -> int:
 
 DEFAULT_SEED = 20261202
 BASE_SEED = _env_int("FUZZ_SEED", DEFAULT_SEED)
-N_CPU = _env_int("FUZZ_CASES", 10000)
+N_CPU = _env_int("FUZZ_CASES", 40000)
 N_SIM = _env_int("FUZZ_SIM_CASES", 300)
+N_CUDA = _env_int("FUZZ_CUDA_CASES", 2000)
+N_BATCHED_CPU = 300  # the cuda stream's cases run on CPU by the batched runner (a CPU test)
+GROUP = 64  # cases launched between two syncs by run_batched
 NONFINITE = os.environ.get("FUZZ_NONFINITE", "1").strip() != "0"
 HUGE_SOFTCAP = os.environ.get("FUZZ_HUGE_SOFTCAP", "1").strip() != "0"
 CPU_CHUNKS = 20
@@ -108,6 +121,9 @@ def _edge_offset(rng: random.Random, hi: int) -> int:
 # costs. Shapes over budget shrink (batch, heads, prefix, then tree) until they fit.
 BUDGET = {"cpu": {"small": 150_000, "medium": 600_000, "long": 900_000},
           "sim": {"small": 60_000, "medium": 150_000, "long": 300_000}}
+BUDGET["cuda"] = BUDGET["cpu"]
+# Streams whose backend clamps out-of-range offsets instead of checking them on the host.
+CLAMPING = {"sim", "cuda"}
 
 
 def _window_and_cache(rng: random.Random, window: str, T: int, prefix: int, extra: int):
@@ -162,7 +178,7 @@ def _draw_shape(rng: random.Random, p: dict, stream: str) -> None:
         else:
             prefix //= 2
             extra //= 2
-    if stream == "cpu" and rng.random() < 0.004:
+    if stream != "sim" and rng.random() < 0.004:
         # Empty problems are legal: no batch rows, or no tree nodes.
         if rng.random() < 0.5:
             B = 0
@@ -181,7 +197,7 @@ def _draw_offsets(rng: random.Random, p: dict, stream: str) -> None:
     else:
         p["offsets"] = None if rng.random() < 0.15 else [_edge_offset(rng, S - M) for _ in range(B)]
     p["clamp"] = False
-    if stream == "sim" and p["offsets"] is not None and B > 0 and rng.random() < 0.3:
+    if stream in CLAMPING and p["offsets"] is not None and B > 0 and rng.random() < 0.3:
         # Out of range: the MPS/simulator kernels clamp (README, "Offsets").
         p["clamp"] = True
         big = [2**31 - 1] if p["offset_dtype"] == "int32" else [2**31 - 1, 2**40, 2**62]
@@ -301,13 +317,18 @@ INVALID_KINDS = [
 NOT_IN_SIM = {"offset_negative", "offset_past", "device", "sinks_device"}
 # Rules that need tensor values: a fake tensor has none, so only the kernel checks them.
 VALUE_RULES = {"offset_negative", "offset_past"}
+# The CUDA backend never reads offsets on the host: it clamps them (README, "Offsets").
+NOT_IN = {"cpu": set(), "sim": NOT_IN_SIM, "cuda": VALUE_RULES}
+# Where an invalid call's expected message names the query's device (a regex, filled in
+# with the device the call runs on).
+DEVICE = "<device>"
 
 
 def draw_params(seed: int, index: int, stream: str) -> dict:
     rng = _rng(seed, stream, index)
     p = {"seed": seed, "index": index, "stream": stream, "tensor_seed": rng.getrandbits(62)}
     r = rng.random()
-    if stream == "cpu":
+    if stream != "sim":
         p["role"] = "invalid" if r < 0.12 else "nonfinite" if r < 0.32 else "valid"
     else:
         p["role"] = "invalid" if r < 0.05 else "nonfinite" if r < 0.25 else "valid"
@@ -316,7 +337,7 @@ def draw_params(seed: int, index: int, stream: str) -> dict:
     _draw_mask(rng, p)
     _draw_layouts(rng, p)
     _draw_scalars(rng, p)
-    p["api"] = rng.choices(["with_lse", "both", "python"], [0.7, 0.2, 0.1])[0] if stream == "cpu" else "with_lse"
+    p["api"] = rng.choices(["with_lse", "both", "python"], [0.7, 0.2, 0.1])[0] if stream != "sim" else "with_lse"
     p["threads"] = rng.choices([None, 1, 3], [0.8, 0.1, 0.1])[0] if stream == "cpu" else None
     p["check_inputs_unchanged"] = rng.random() < 0.1
     if p["role"] == "nonfinite":
@@ -333,7 +354,7 @@ def draw_params(seed: int, index: int, stream: str) -> dict:
             if p["scale"] == 0:
                 p["scale"] = None
     if p["role"] == "invalid":
-        kinds = [k for k in INVALID_KINDS if not (stream == "sim" and k in NOT_IN_SIM)]
+        kinds = [k for k in INVALID_KINDS if k not in NOT_IN[stream]]
         p["invalid"] = rng.choice(kinds)
         p["invalid_pick"] = rng.getrandbits(32)
         p["clamp"] = False
@@ -800,11 +821,11 @@ def _mutate(p: dict, built: Built) -> None:
         name = pick.choice(["query", "key", "value", "mask", "mask_offset"])
         if name == "mask_offset":
             odt = torch.int32 if p["offset_dtype"] == "int32" else torch.int64
-            set_("mask_offset on meta", ValueError, r"mask_offset must be on the query's device cpu, got meta",
+            set_("mask_offset on meta", ValueError, rf"mask_offset must be on the query's device {DEVICE}, got meta",
                  mask_offset=torch.zeros(B, dtype=odt, device="meta"))
         else:
             pattern = (r"must be on one device, got query on meta" if name == "query"
-                       else rf"must be on one device, got query on cpu.*{name} on meta")
+                       else rf"must be on one device, got query on {DEVICE}.*{name} on meta")
             set_(f"{name} on meta", ValueError, pattern, **{name: i[name].to("meta")})
     elif kind == "dtype_pair":
         # Key and value agree, but the query is neither their dtype nor float32 over half.
@@ -822,7 +843,7 @@ def _mutate(p: dict, built: Built) -> None:
         bad = pick.choice([torch.int32, torch.int64, torch.int8, torch.bool])
         set_(f"sinks dtype {bad}", TypeError, r"sinks must be a floating tensor", sinks=torch.zeros(Hq, dtype=bad))
     elif kind == "sinks_device":
-        set_("sinks on meta", ValueError, r"sinks must be on the query's device cpu, got meta",
+        set_("sinks on meta", ValueError, rf"sinks must be on the query's device {DEVICE}, got meta",
              sinks=torch.zeros(Hq, device="meta"))
     else:
         raise AssertionError(kind)
@@ -907,30 +928,75 @@ def _call_fake(p: dict, inputs: dict):
         log.setLevel(level)
 
 
-def run_case(p: dict) -> Optional[str]:
-    """Runs one case; returns None if it honours the contract, else a description."""
+def to_device(inputs: dict, device) -> dict:
+    """The inputs on `device`, each tensor a copy of its whole storage viewed with the same
+    sizes, strides and storage offset: padding (NaN), stride-0 and strided views and K/V
+    sharing one cache stay as built. Meta tensors (invalid calls) and non-tensors stay."""
+    copies, out = {}, {}
+    for name, t in inputs.items():
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            out[name] = t
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes(), t.dtype)
+        if key not in copies:
+            whole = torch.empty(0, dtype=t.dtype).set_(storage)
+            copies[key] = whole.to(device, copy=True)
+        out[name] = copies[key].as_strided(t.shape, t.stride(), t.storage_offset())
+    return out
+
+
+@dataclasses.dataclass
+class Pending:
+    """A valid call launched (possibly asynchronously), waiting for its check."""
+    p: dict
+    built: Built
+    inputs: dict       # what the op was called with (on the run's device)
+    before: dict       # clones of those inputs, if the case checks they are unchanged
+    out: torch.Tensor  # the op's results, on the host (copies started without a sync)
+    lse: torch.Tensor
+
+
+def _start(p: dict, device=None):
+    """Builds and calls one case: (failure, None) when it is decided already (an invalid
+    call, a build error, a raising call), else (None, Pending). device None: the built
+    tensors themselves (the cpu and sim streams); else copies on that device."""
     try:
         built = build(p)
     except Exception:  # a fuzzer bug, not a kernel bug: still report it
-        return "building the case failed:\n" + traceback.format_exc()
-    inputs = built.inputs
+        return "building the case failed:\n" + traceback.format_exc(), None
+    inputs = built.inputs if device is None else to_device(built.inputs, device)
     if built.error is not None:
-        failure = _expect_error(lambda: _call(p, inputs), *built.error)
+        exc, pattern = built.error
+        where = str(torch.empty(0, device=device).device) if device is not None else "cpu"
+        error = (exc, pattern.replace(DEVICE, re.escape(where)))
+        failure = _expect_error(lambda: _call(p, inputs), *error)
         if failure is None and p["stream"] == "cpu" and p["invalid"] not in VALUE_RULES:
             # The fake (torch.compile's tracing) refuses the call with the same error.
-            failure = _expect_error(lambda: _call_fake(p, inputs), *built.error)
+            failure = _expect_error(lambda: _call_fake(p, inputs), *error)
             failure = None if failure is None else "under FakeTensorMode: " + failure
-        return failure
+        return failure, None
 
     before = {n: t.clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)} \
         if p["check_inputs_unchanged"] else {}
     try:
         out, lse = _call(p, inputs)
     except Exception as e:
-        return f"valid call raised {type(e).__name__}: {e}"
-    for n, t in before.items():
-        if not _bits_equal(t, inputs[n]):
+        return f"valid call raised {type(e).__name__}: {e}", None
+    if out.device.type != "cpu":
+        # Into pinned host memory, queued behind the kernel: the caller syncs once.
+        out, lse = out.to("cpu", non_blocking=True), lse.to("cpu", non_blocking=True)
+    return None, Pending(p, built, inputs, before, out, lse)
+
+
+def _finish(pending: Pending) -> Optional[str]:
+    """Checks a launched case (its device synced) against the float64 reference, which
+    reads the host tensors the case was built from."""
+    p, built, out, lse = pending.p, pending.built, pending.out, pending.lse
+    for n, t in pending.before.items():
+        if not _bits_equal(t, pending.inputs[n]):
             return f"the op modified its input {n}"
+    inputs = built.inputs
     try:
         if built.clamped is None:
             check_against_reference(out, lse, inputs)
@@ -947,6 +1013,20 @@ def run_case(p: dict) -> Optional[str]:
     return None
 
 
+def run_case(p: dict, device=None) -> Optional[str]:
+    """Runs one case; returns None if it honours the contract, else a description."""
+    failure, pending = _start(p, device)
+    if pending is not None:
+        _sync(device)
+        failure = _finish(pending)
+    return failure
+
+
+def _sync(device) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def describe(p: dict) -> str:
     skip = {"seed", "index", "stream", "tensor_seed", "nonfinite_pick", "invalid_pick"}
     if p["role"] != "nonfinite":
@@ -956,7 +1036,7 @@ def describe(p: dict) -> str:
 
 def reproducer(p: dict) -> str:
     env = "" if NONFINITE else "FUZZ_NONFINITE=0 "
-    sim = " --sim" if p["stream"] == "sim" else ""
+    sim = {"cpu": "", "sim": " --sim", "cuda": " --cuda"}[p["stream"]]
     return f"{env}python -m tests.test_fuzz --seed {p['seed']} --case {p['index']}{sim}"
 
 
@@ -983,6 +1063,78 @@ def run_range(stream: str, indices, seed: int = BASE_SEED) -> List[str]:
         if failure is not None:
             failures.append(report(p, failure))
     return failures
+
+
+def run_batched(stream: str, indices, device, seed: int = BASE_SEED, group: int = GROUP):
+    """Runs cases on `device` a group at a time: each is built on the host and launched,
+    then one sync, then each is checked. Returns (failures, cases run). On a device that
+    checks offsets on the host (cpu) a clamped case is skipped: there it is an error."""
+    failures, ran = [], 0
+    host_checks = torch.device(device).type == "cpu"
+    indices = list(indices)
+    for start in range(0, len(indices), group):
+        pending = []
+        for index in indices[start:start + group]:
+            p = draw_params(seed, index, stream)
+            if p["clamp"] and host_checks:
+                continue
+            ran += 1
+            failure, launched = _start(p, device)
+            if failure is not None:
+                failures.append(report(p, failure))
+            elif launched is not None:
+                pending.append(launched)
+        _sync(device)
+        for launched in pending:
+            failure = _finish(launched)
+            if failure is not None:
+                failures.append(report(launched.p, failure))
+    return failures, ran
+
+
+def cuda_specs(stream: str, indices, seed: int = BASE_SEED, arch: int = 90, num_sms: int = 132) -> dict:
+    """The distinct kernel specs (main and reduce, JSON -> spec) the valid calls of these
+    cases launch on a GPU of `arch` with `num_sms` SMs, from the C++ plan (no GPU needed).
+    A spec depends on the call's dtypes, D, mask kind, softcap, layout alignment and tiles."""
+    from torch_tree_attn import _C
+
+    specs = {}
+    for index in indices:
+        built = build(draw_params(seed, index, stream))
+        if built.error is not None:
+            continue
+        try:
+            _, main, reduce = _C.cuda_plan_launch(*_args(built.inputs), arch=arch, num_sms=num_sms)
+        except (ValueError, TypeError, RuntimeError):  # an empty problem launches nothing
+            continue
+        for spec in (main, reduce):
+            if spec is not None:
+                specs.setdefault(json.dumps(spec, sort_keys=True), spec)
+    return specs
+
+
+def warm_cuda(indices, seed: int = BASE_SEED, jobs: Optional[int] = None) -> tuple:
+    """Compiles, in parallel, the cuda stream's specs outside the prebuilt table (as
+    tests/warm_cuda_kernels.py does for the parity matrix), so no case waits for Triton.
+    Returns (specs met, specs compiled, seconds)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from tests.warm_cuda_kernels import _compile
+    from torch_tree_attn import triton_backend
+
+    t0 = time.perf_counter()
+    major, minor = torch.cuda.get_device_capability()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    specs = cuda_specs("cuda", indices, seed, major * 10 + minor, num_sms)
+    prebuilt = {json.dumps(e["spec"], sort_keys=True) for e in triton_backend.load_manifest()}
+    todo = [spec for key, spec in specs.items() if key not in prebuilt]
+    if todo:
+        # Spawned workers: this process has initialised CUDA, which a forked child must not inherit.
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs or os.cpu_count(), mp_context=ctx) as pool:
+            list(pool.map(_compile, todo))
+    return len(specs), len(todo), time.perf_counter() - t0
 
 
 def _chunk(n: int, chunks: int, k: int) -> range:
@@ -1017,6 +1169,64 @@ def test_metal_simulator_against_reference(chunk):
         _fail_chunk("sim", indices, failures)
 
 
+HAVE_CUDA = torch.cuda.is_available()
+
+
+def _cuda_run(count: int, device="cuda") -> tuple:
+    """(failures, cases run, seconds) of the cuda stream's first `count` cases on `device`."""
+    start = time.perf_counter()
+    failures, ran = run_batched("cuda", range(count), device)
+    return failures, ran, time.perf_counter() - start
+
+
+@pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device")
+def test_fuzz_cuda():
+    specs, compiled, warm_s = warm_cuda(range(N_CUDA))
+    # Every kernel now compiled (or loaded from Triton's cache) before the timed run.
+    run_batched("cuda", range(min(N_CUDA, 2 * GROUP)), "cuda")
+    failures, ran, seconds = _cuda_run(N_CUDA)
+    print(f"cuda fuzz: {ran} cases in {seconds:.1f} s ({ran / seconds:.0f} cases/s); {specs} kernel specs, "
+          f"{compiled} compiled outside the prebuilt table in {warm_s:.1f} s")
+    if failures:
+        _fail_chunk("cuda", range(N_CUDA), failures)
+
+
+def test_batched_runner_on_cpu():
+    # The cuda stream's logic (layout-keeping copies, launches grouped before one sync,
+    # checks afterwards) on the CPU kernel, over the stream's own cases.
+    failures, ran, seconds = _cuda_run(N_BATCHED_CPU, device="cpu")
+    if failures:
+        _fail_chunk("cuda on cpu", range(N_BATCHED_CPU), failures)
+    assert ran > 0.6 * N_BATCHED_CPU  # the clamped cases (CPU checks offsets instead) are few
+    print(f"cuda stream on cpu: {ran} cases in {seconds:.1f} s")
+
+
+def test_to_device_keeps_layout_and_sharing():
+    # A K/V pair cache (two planes of one storage), a padded query and a sliced mask.
+    p = next(q for q in (draw_params(BASE_SEED, i, "cuda") for i in range(2000))
+             if q["role"] == "valid" and q["k_layout"] == "kv_pair" and q["q_layout"] == "padded"
+             and q["mask_layout"] == "sliced" and q["B"] > 0 and q["T"] > 0 and q["S"] > 0)
+    inputs = build(p).inputs
+    moved = to_device(inputs, "cpu")
+    for name in ("query", "key", "value", "mask"):
+        a, b = inputs[name], moved[name]
+        assert b.data_ptr() != a.data_ptr(), f"{name} is not a copy"
+        assert (b.shape, b.stride(), b.storage_offset(), b.dtype) == (a.shape, a.stride(), a.storage_offset(), a.dtype)
+        assert _bits_equal(a, b) and b.untyped_storage().nbytes() == a.untyped_storage().nbytes()
+    # The NaN padding around the views came along, and K and V still share one storage.
+    assert torch.isnan(torch.empty(0, dtype=moved["query"].dtype).set_(moved["query"].untyped_storage())).any()
+    assert moved["key"].untyped_storage().data_ptr() == moved["value"].untyped_storage().data_ptr()
+
+
+def test_cuda_stream_distribution():
+    ps = [draw_params(BASE_SEED, i, "cuda") for i in range(min(N_CUDA, 2000))]
+    assert {p["role"] for p in ps} == {"valid", "nonfinite", "invalid"}
+    assert {p["invalid"] for p in ps if p["role"] == "invalid"} == set(INVALID_KINDS) - VALUE_RULES
+    assert any(p["clamp"] for p in ps) and {p["dtype"] for p in ps} == set(DTYPES)
+    # Its cases are its own, not the cpu stream's.
+    assert draw_params(BASE_SEED, 3, "cuda")["tensor_seed"] != draw_params(BASE_SEED, 3, "cpu")["tensor_seed"]
+
+
 def test_case_distribution():
     # The fuzzer covers what its docstring promises (on the first cases of the stream).
     ps = [draw_params(BASE_SEED, i, "cpu") for i in range(min(N_CPU, 2000))]
@@ -1044,7 +1254,7 @@ def test_case_distribution():
 # python -m tests.test_fuzz --seed S --case N [--sim]
 # =======================================================================================
 
-def _explain(p: dict) -> None:
+def _explain(p: dict, device=None) -> None:
     """Prints the case, the call's result and its difference from the reference."""
     from torch_tree_attn.reference import tree_attention_reference
 
@@ -1061,7 +1271,8 @@ def _explain(p: dict) -> None:
         print(f"  mask_offset values: {inputs['mask_offset'].tolist()}")
     if built.error is None:
         try:
-            out, lse = _call(p, inputs)
+            out, lse = _call(p, inputs if device is None else to_device(inputs, device))
+            out, lse = out.cpu(), lse.cpu()
         except Exception as e:
             print(f"  the op raised {type(e).__name__}: {e}")
         else:
@@ -1084,7 +1295,7 @@ def _explain(p: dict) -> None:
                     lerr = (l_.double() - ref_lse)[clean]
                     lerr = torch.where(torch.isneginf(ref_lse[clean]) & torch.isneginf(l_.double()[clean]), 0.0, lerr)
                     print(f"    max |lse - ref| over those rows: {lerr.abs().max().item():.3g}")
-    failure = run_case(p)
+    failure = run_case(p, device)
     print("PASS" if failure is None else "FAIL\n" + failure)
     if failure is not None:
         print(f"reproduce: {reproducer(p)}")
@@ -1097,18 +1308,32 @@ def main(argv=None) -> int:
     parser.add_argument("--first", type=int, default=0, help="a range of cases from this index")
     parser.add_argument("--count", type=int, help="... this many")
     parser.add_argument("--sim", action="store_true", help="the simulator stream (tree_attn_sim)")
+    parser.add_argument("--cuda", action="store_true", help="the cuda stream, batched (kernels warmed first)")
+    parser.add_argument("--device", default="cuda", help="--cuda: the device to run it on (cpu: a CPU check)")
     args = parser.parse_args(argv)
-    stream = "sim" if args.sim else "cpu"
+    stream = "sim" if args.sim else "cuda" if args.cuda else "cpu"
+    device = args.device if args.cuda else None
     if args.case is not None:
         p = draw_params(args.seed, args.case, stream)
-        _explain(p)
-        return 0 if run_case(p) is None else 1
-    count = args.count if args.count is not None else (N_SIM if args.sim else N_CPU)
-    start = time.perf_counter()
-    failures = run_range(stream, range(args.first, args.first + count), args.seed)
+        _explain(p, device)
+        return 0 if run_case(p, device) is None else 1
+    count = args.count if args.count is not None else {"cpu": N_CPU, "sim": N_SIM, "cuda": N_CUDA}[stream]
+    indices = range(args.first, args.first + count)
+    if args.cuda:
+        if torch.device(device).type == "cuda":
+            specs, compiled, warm_s = warm_cuda(indices, args.seed)
+            run_batched(stream, indices[:2 * GROUP], device, args.seed)  # loads every kernel once
+            print(f"warm: {specs} kernel specs, {compiled} compiled outside the prebuilt table ({warm_s:.1f} s)")
+        start = time.perf_counter()
+        failures, ran = run_batched(stream, indices, device, args.seed)
+    else:
+        start = time.perf_counter()
+        failures, ran = run_range(stream, indices, args.seed), count
+    seconds = time.perf_counter() - start
     for f in failures:
         print(f, end="\n\n")
-    print(f"{len(failures)} of {count} {stream} cases failed ({time.perf_counter() - start:.1f} s)")
+    print(f"{len(failures)} of {ran} {stream} cases failed ({seconds:.1f} s, {ran / max(seconds, 1e-9):.0f} cases/s"
+          + (f" on {device}" if device else "") + ")")
     return 1 if failures else 0
 
 

@@ -47,7 +47,11 @@ COMPILE_VARIANTS = [
     ("bf16", 128, True, False, 8, 64, 4, True),
     ("bf16", 64, False, False, 8, 64, 4, True),
     ("fp16", 64, True, True, 8, 64, 4, True),
-    ("bf16", 128, False, False, 4, 64, 2, True),   # two programs per SM
+    ("bf16", 128, False, False, 4, 64, 2, True),   # two programs per SM: the table's D=128 row
+    ("bf16", 128, True, True, 4, 64, 2, True),
+    ("fp16", 128, False, True, 4, 64, 2, True),
+    ("bf16", 64, False, False, 4, 64, 3, True),    # the table's D=64 row
+    ("fp16", 64, True, True, 4, 64, 3, True),
 ]
 
 

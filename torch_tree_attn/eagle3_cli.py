@@ -75,6 +75,15 @@ class Run:
     stats: Optional[speculative.Stats] = None
 
 
+def _runtime_compiles() -> Optional[int]:
+    """How many CUDA kernels this process has compiled at run time (no prebuilt one fitted), or
+    None without the CUDA backend."""
+    from . import _C
+
+    stats = getattr(_C, "cuda_registry_stats", None)
+    return stats()["compiled"] if stats is not None else None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -401,7 +410,7 @@ def tree_summary(args, draft) -> str:
 
 
 def report(args, tokenizer, draft, spec: Run, base: Run, cold_spec: Run, cold_base: Run, to_last_token_s: float,
-           load_s: float) -> None:
+           load_s: float, cold_compiles: Optional[int] = None) -> None:
     stats = spec.stats
     n, nb = len(spec.tokens), len(base.tokens)
     print(f"prompt: {args.prompt!r}")
@@ -412,6 +421,11 @@ def report(args, tokenizer, draft, spec: Run, base: Run, cold_spec: Run, cold_ba
           f"in {cold_spec.total_s:.2f} s (buffers {cold_spec.stats.setup_s:.2f} s{capture}), plain greedy "
           f"{_plural(len(cold_base.tokens), 'token')} in {cold_base.total_s:.2f} s; speedup {cold_speedup:.2f}x; "
           f"process start to eagle-3's last token {to_last_token_s:.2f} s (imports and model load {load_s:.2f} s)")
+    cs = cold_spec.stats
+    if cs.rounds:
+        compiles = "" if cold_compiles is None else f"; CUDA kernels compiled at run time: {cold_compiles}"
+        print(f"  eagle-3's first call: draft {cs.draft_s:.2f} s, verify {cs.verify_s:.2f} s, bookkeeping "
+              f"{cs.accept_s:.2f} s, prefill {cs.prefill_s:.2f} s{compiles}")
     graphs = ", CUDA graphs" if stats.cuda_graphs else ""
     print(f"eagle-3 tree decoding: {_plural(n, 'token')} in {spec.total_s:.2f} s = {n / spec.total_s:.1f} "
           f"tokens/s, {_plural(spec.forwards, 'target forward')} (prefill + {_plural(stats.rounds, 'verify round')}; "
@@ -459,13 +473,15 @@ def main(argv: Optional[List[str]] = None, process_start: Optional[float] = None
     # Cold start: each decoder's first call on this model, EAGLE-3's first (it pays for its
     # buffers, lazy initialisation and, on CUDA, the graph capture). Then the steady state.
     speculative.release(target)  # a fresh start also when main() runs twice in one process
+    compiles_before = _runtime_compiles() if device.type == "cuda" else None
     cold_spec = speculative_decode(target, draft, input_ids, args, stop, progress=not args.no_progress)
+    cold_compiles = None if compiles_before is None else _runtime_compiles() - compiles_before
     to_last_token_s = time.perf_counter() - start
     cold_base = plain_greedy(target, input_ids, args.max_new_tokens, stop)
     spec = speculative_decode(target, draft, input_ids, args, stop, progress=not args.no_progress)
     base = plain_greedy(target, input_ids, args.max_new_tokens, stop)
     speculative.release(target)
-    report(args, tokenizer, draft, spec, base, cold_spec, cold_base, to_last_token_s, load_s)
+    report(args, tokenizer, draft, spec, base, cold_spec, cold_base, to_last_token_s, load_s, cold_compiles)
 
     if args.temperature == 0:
         n = len(spec.tokens)

@@ -140,7 +140,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 
 # Default configuration: (CONSUMER_WARPS, BLOCK_N, STAGES) per D.
-DEFAULT_CONFIG = {128: (8, 64, 3), 64: (8, 64, 4)}
+DEFAULT_CONFIG = {128: (4, 64, 2), 64: (4, 64, 3)}   # = csrc/cuda/tile_configs.def (a test holds them equal)
 PRODUCER_REGS = 24
 # The window's cost in prefix tiles per window tile (the split balance; masks, selections and
 # the V fix-up make a window tile dearer than a prefix tile).
@@ -307,16 +307,22 @@ if HAVE_GLUON:
                 mb = gl.load(m_ptrs, mask=win2, other=0)
                 seen_w = win2 & (mb != 0)
             seen = seen_w | (gl.expand_dims(rows_ok, 1) & gl.expand_dims(keys < off, 0))
+            # Poison without a tile of its own (registers: the float-mask + softcap variant
+            # would spill at 4 consumer warps): s + s * 0 is s, or NaN for a non-finite score;
+            # bias + bias * 0 is bias, or NaN for +inf; v_nan is 0, or NaN for a key whose V
+            # row is not finite. Finite inputs give the same bits as adding nothing.
             s = s * scale_abs
-            z = s * 0.0 + gl.expand_dims(v_nan, 0)
+            s = s + s * 0.0
             if MASK_FLOAT:
                 bias = gl.where(seen_w, bias, 0.0)
-                z = z + bias * 0.0
+                bias = bias + bias * 0.0 + gl.expand_dims(v_nan, 0)
             if HAS_SOFTCAP:
                 s = softcap * _tanh(s * inv_cap)
             if MASK_FLOAT:
                 s = s + bias
-            s = gl.where(seen, s + z, float("-inf"))
+            else:
+                s = s + gl.expand_dims(v_nan, 0)
+            s = gl.where(seen, s, float("-inf"))
             p, alpha, m_n, m_b, l_i = _softmax_update(s, _LOG2E, 1.0, m_n, m_b, l_i, True)
         return p, alpha, m_n, m_b, l_i
 

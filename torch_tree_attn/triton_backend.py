@@ -27,10 +27,10 @@ from . import _C
 
 KERNELS_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 MANIFEST = KERNELS_DIR / "manifest.json"
-# The main kernel a process uses unless TORCH_TREE_ATTN_CUDA_KERNEL says otherwise: the
-# portable Triton kernel, until the Hopper kernel (gluon_kernels.py, "auto") has passed the
-# GPU parity matrix; then "auto".
-DEFAULT_KERNEL = "triton"
+# The main kernel a process uses unless TORCH_TREE_ATTN_CUDA_KERNEL says otherwise: "auto",
+# the Hopper kernel (gluon_kernels.py) on sm_90 for the calls it covers, else the portable
+# Triton kernel.
+DEFAULT_KERNEL = "auto"
 INTERPRETER_SMS = 4   # a small pretend GPU under the interpreter: long key ranges split
 
 
@@ -73,20 +73,36 @@ def register() -> None:
     # TORCH_TREE_ATTN_NO_PREBUILT=1: every kernel through the compile-once fallback
     # (benchmarks/bench_launch.py's cold-start comparison).
     prebuilt = os.environ.get("TORCH_TREE_ATTN_NO_PREBUILT", "0") in ("", "0")
-    for entry in load_manifest() if prebuilt else ():
+    entries = load_manifest() if prebuilt else []
+    for entry in entries:
         _C.cuda_register_kernel(entry["spec"], b"", str(KERNELS_DIR / entry["file"]), entry["function"],
                                 entry["shared"], entry["num_warps"], entry["scratch_args"], True,
                                 entry.get("tma", []))
     _C.cuda_set_compiler(compile_for_launcher)
-    # TORCH_TREE_ATTN_CUDA_KERNEL: the main kernel on sm_90: "triton" (the portable kernel,
-    # DEFAULT_KERNEL), "auto" (the Hopper kernel for the calls it covers), "hopper" (raise for
-    # a call it does not cover).
+    # TORCH_TREE_ATTN_CUDA_KERNEL: the main kernel on sm_90: "auto" (DEFAULT_KERNEL: the
+    # Hopper kernel for the calls it covers), "triton" (the portable kernel everywhere),
+    # "hopper" (raise for a call it does not cover).
     choice = os.environ.get("TORCH_TREE_ATTN_CUDA_KERNEL", DEFAULT_KERNEL).strip().lower() or DEFAULT_KERNEL
     try:
         _C.cuda_set_kernel_choice(choice)
     except ValueError as e:
         raise ValueError(f"TORCH_TREE_ATTN_CUDA_KERNEL: {e}") from None
+    if choice == "auto" and not hopper_available(entries):
+        _C.cuda_set_kernel_choice("triton")
     _registered = True
+
+
+def hopper_available(entries: list) -> bool:
+    """Whether this install can run the Hopper kernel: prebuilt (the manifest has it), or
+    compilable at run time (triton with Gluon's Hopper module). Without either, "auto" is the
+    Triton kernel everywhere."""
+    if any(e["spec"].get("kind") == 2 for e in entries):
+        return True
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except Exception:  # noqa: BLE001 - no triton, or one without Gluon's Hopper module
+        return False
+    return True
 
 
 def _interpret(query, key, value, mask, mask_offset, scale, softcap, sinks, num_splits, config):

@@ -3,14 +3,15 @@ compiled by Triton for each target architecture (no GPU needed), into
 torch_tree_attn/kernels/ as one cubin per spec plus manifest.json, which the package
 registers at import (triton_backend.register) and the C++ launcher loads at first use.
 
-The table: the tiles of csrc/cuda/tile_configs.def (the plan's own table) for the half
-dtypes users serve models in, every row-block size the plan can pick for them (powers of 2
+The table: the tiles of csrc/cuda/tile_configs.def (the plan's own table) for the dtypes
+users run models in (float16, bfloat16, and float32 for K/V and query alike: the built-in demo
+and exactness checks run float32), every row-block size the plan can pick for them (powers of 2
 from 16 up to the table's BLOCK_M), both mask kinds, softcap on and off, the window loop
 with and without its skip test; pointers and row strides 16-aligned, int32 sizes (what
 every cache layout the package builds gives). For sm_90 also the Hopper (Gluon) main kernel's
 rows of the table: every head dim it has, float16/bfloat16, both mask kinds, softcap on and
-off (where triton has Gluon's Hopper module). Everything else -- a float32 query, another
-head dim, another architecture, an unaligned or huge call -- is compiled once per process
+off (where triton has Gluon's Hopper module). Everything else -- a float32 query over a
+half cache, another head dim, another architecture, an unaligned or huge call -- is compiled once per process
 at run time by the same code (torch_tree_attn/triton_compile.py).
 
     python csrc/cuda/build_kernels.py [--arch 80 90] [--out DIR] [--jobs N] [--list]
@@ -38,8 +39,9 @@ TABLE = ROOT / "csrc" / "cuda" / "tile_configs.def"
 DEFAULT_OUT = PACKAGE / "kernels"
 DEFAULT_ARCHS = (80, 90)
 # The prebuilt instantiations: (dtype, head dims); variants per spec as described above.
-PREBUILT_DTYPES = ("bf16", "fp16")
+PREBUILT_DTYPES = ("bf16", "fp16", "fp32")
 PREBUILT_HEAD_DIMS = (64, 128, 256, 512)
+HOPPER_DTYPES = ("bf16", "fp16")   # the Hopper kernel's wgmma takes half operands
 REDUCE_CHUNK, REDUCE_WARPS, REDUCE_ELEMS = 8, 4, 512   # csrc/cuda/triton_plan.h (a test holds them equal)
 
 
@@ -94,7 +96,7 @@ def prebuilt_specs(archs):
     table = tile_table()
     specs = []
     for arch, dtype, D in itertools.product(archs, PREBUILT_DTYPES, PREBUILT_HEAD_DIMS):
-        bm_max, bn, warps, stages, wn = table[(D, "half")]
+        bm_max, bn, warps, stages, wn = table[(D, "f32" if dtype == "fp32" else "half")]
         code = tc.DTYPE_CODES[dtype]
         base = dict.fromkeys(tc.SPEC_FIELDS, 0)
         base.update(arch=arch, q_dtype=code, head_dim=D, block_d=next_pow2(D), aligned=1, wide=0)
@@ -108,7 +110,7 @@ def prebuilt_specs(archs):
         specs.append(dict(base, kind=tc.REDUCE, block_r=max(1, REDUCE_ELEMS // next_pow2(D)), chunk=REDUCE_CHUNK,
                           num_warps=REDUCE_WARPS, num_stages=1))
     if 90 in archs and have_gluon():
-        for dtype, (D, (cw, bn, stages)) in itertools.product(PREBUILT_DTYPES, sorted(hopper_table().items())):
+        for dtype, (D, (cw, bn, stages)) in itertools.product(HOPPER_DTYPES, sorted(hopper_table().items())):
             code = tc.DTYPE_CODES[dtype]
             base = dict.fromkeys(tc.SPEC_FIELDS, 0)
             base.update(kind=tc.HOPPER, arch=90, q_dtype=code, kv_dtype=code, head_dim=D, block_m=16 * cw,

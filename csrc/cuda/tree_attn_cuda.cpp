@@ -123,8 +123,10 @@ void push_tensor_map(Args& a, const at::Tensor& t, const TmaMeta& meta) {
   for (int i = 0; i < 4; ++i) a.i64(st[i]);
 }
 
-// Triton until the Hopper kernel has run on a GPU (README, "The CUDA kernels"): auto opts in.
-std::atomic<int> g_default_choice{int(KernelChoice::Triton)};
+// The process default (README, "The CUDA kernels"): the Hopper kernel where it covers a call.
+// triton_backend.register() sets it from TORCH_TREE_ATTN_CUDA_KERNEL, and to Triton where the
+// install can neither load nor compile the Hopper kernel.
+std::atomic<int> g_default_choice{int(KernelChoice::Auto)};
 
 void launch(const LoadedKernel& k, int64_t gx, int64_t gy, int64_t gz, Args& args, void* stream) {
   TORCH_CHECK(gx > 0 && gx <= std::numeric_limits<int32_t>::max() && gy > 0 && gy <= 65535 && gz > 0 && gz <= 65535,

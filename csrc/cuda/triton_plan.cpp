@@ -80,7 +80,7 @@ Plan choose_hopper(int64_t D, int64_t rows_per_head, int64_t batch_heads, int64_
     TORCH_CHECK_VALUE(*num_splits >= 1, "num_splits must be >= 1, got ", *num_splits);
     p.num_splits = *num_splits;
   } else {
-    // 8 consumer warps fill an SM's registers and most of its shared memory: one program per SM.
+    // 8 consumer warps fill an SM's registers: one program per SM; 4 leave room for two.
     p.num_splits = choose_splits(cdiv(std::max<int64_t>(S - M, 0), p.block_n), p.window_units,
                                  p.row_blocks * batch_heads, num_sms, c->consumer_warps == 4 ? 2 : 1);
   }
