@@ -3,7 +3,7 @@ kernel and, on macOS, the MPS backend with the Metal launch plan. C++17, against
 torch already installed (pip install --no-build-isolation).
 
 The CUDA backend's host side (csrc/cuda/) is built everywhere; its prebuilt kernels
-(torch_tree_attn/kernels/, csrc/cuda/build_kernels.py) where torch has CUDA and triton is
+(torch_tree_attn/backends/cuda/kernels/, csrc/cuda/build_kernels.py) where torch has CUDA and triton is
 importable, or for the architectures TORCH_TREE_ATTN_CUDA_ARCHS names ("80;90", "none").
 
 The shader source is embedded at build time (build/generated/shader_source.h, compiled by
@@ -17,8 +17,8 @@ On Linux the extension is linked without debug information (Python's CFLAGS comp
 -g: 23 of its 24 MB would be DWARF), so the wheel stays small; TORCH_TREE_ATTN_DEBUG=1 keeps
 it, as a sanitizer build does.
 
-The wheel holds torch_tree_attn/*.py, the _C extension and any prebuilt CUDA kernels
-(torch_tree_attn/kernels/); the shaders are embedded in _C (macOS), the demo's weights stay
+The wheel holds the package's .py files, the _C extension and any prebuilt CUDA kernels
+(torch_tree_attn/backends/cuda/kernels/); the shaders are embedded in _C (macOS), the demo's weights stay
 in examples/assets (tests/test_wheel.py checks the list and the size).
 """
 import glob
@@ -113,7 +113,7 @@ embed_shader_source()
 def build_cuda_kernels():
     """The prebuilt CUDA kernels (csrc/cuda/build_kernels.py) where torch has CUDA and
     triton is importable, or for TORCH_TREE_ATTN_CUDA_ARCHS: compiled by Triton without a
-    GPU into torch_tree_attn/kernels/, once (skipped while sources and triton are unchanged)."""
+    GPU into torch_tree_attn/backends/cuda/kernels/, once (skipped while sources and triton are unchanged)."""
     from build_kernels import archs_from_env, build
 
     archs = archs_from_env()
@@ -149,7 +149,7 @@ setup(
     version="0.1.0",
     description="Tree attention for speculative-decoding verification (EAGLE-3, EAGLE-2, Medusa) in PyTorch",
     packages=find_packages(include=["torch_tree_attn", "torch_tree_attn.*"]),
-    package_data={"torch_tree_attn": ["kernels/*"]},  # the demo weights stay in examples/assets
+    package_data={"torch_tree_attn.backends.cuda": ["kernels/*"]},  # the demo weights stay in examples/assets
     ext_modules=[
         CppExtension(
             "torch_tree_attn._C",
@@ -167,7 +167,7 @@ setup(
     extras_require={
         # triton runs the CUDA kernels' tests on CPU too, under TRITON_INTERPRET=1 (tests/test_triton.py).
         "test": ["pytest", "hypothesis", "triton>=3.6"],
-        # The CUDA backend's kernels (torch_tree_attn/triton_backend.py); 3.6 is the H200's.
+        # The CUDA backend's kernels (torch_tree_attn/backends/cuda/__init__.py); 3.6 is the H200's.
         "cuda": ["triton>=3.6"],
         # Tested: 5.0 (CI's floor pass) through 5.25; CI's main pass takes the newest pip installs.
         "hf": ["transformers>=5.0,<5.26", "safetensors", "tqdm"],

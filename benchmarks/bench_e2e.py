@@ -15,7 +15,7 @@ A LlamaForCausalLM built from its config with random weights (nothing is downloa
 The cache is a transformers StaticCache of exactly P + T slots (T = 64). No P-token prefill
 is run: one 1-token forward allocates every layer's buffers, then the first P slots of each
 layer's keys/values are filled with random values in place (on the device) and the layers'
-length is set to P (``torch_tree_attn._hf_compat.set_layer_length``, which knows each
+length is set to P (``torch_tree_attn.hf.compat.set_layer_length``, which knows each
 release's length bookkeeping). One verify step is then a forward of a random T-node tree
 (parent of node i drawn uniformly from nodes 0..i-1, so parents come first), with the same
 token ids and position ids (P + depth) for every implementation:
@@ -54,7 +54,7 @@ Modes, per (P, implementation):
   ``hf.tree_attention_mask``: a synchronous host-to-device copy, which stream capture
   refuses, pytorch/pytorch#168991). Same kernels, same logits; only the mask function's few
   tiny launches leave the graph. ``--graph-masks in-graph`` captures the plain documented
-  call instead (to see whether this torch / hf.py capture it). The replayed logits are compared with the eager ones. A capture
+  call instead (to see whether this torch / torch_tree_attn.hf capture it). The replayed logits are compared with the eager ones. A capture
   that fails is reported in its row, not raised.
 
 Attention share: one profiled eager step per (P, implementation). On CUDA: the device time
@@ -96,7 +96,7 @@ try:
 except ImportError:  # run from a source checkout built in place
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_tree_attn  # noqa: F401
-from torch_tree_attn import _hf_compat as compat
+from torch_tree_attn.hf import compat
 from torch_tree_attn.tree import ancestor_mask
 
 T = 64

@@ -299,9 +299,9 @@ def limit_us(x):
 
 
 def tree_attn_triton(x):
-    from torch_tree_attn import triton_backend
+    from torch_tree_attn.backends import cuda as cuda_backend
 
-    return triton_backend.forward_with_lse(x["q"], x["k"], x["v"], x["tree"], x["offsets"], x["shape"].scale, None,
+    return cuda_backend.forward_with_lse(x["q"], x["k"], x["v"], x["tree"], x["offsets"], x["shape"].scale, None,
                                            x["sinks"], kernel="triton")[0]
 
 

@@ -1,5 +1,5 @@
 """Tile and split tuning of the Triton kernels on a CUDA GPU: the source of the numbers in
-torch_tree_attn/triton_heuristics.py (CONFIGS and the split model).
+torch_tree_attn/backends/cuda/plan.py (CONFIGS and the split model).
 
 For each problem it times every (BLOCK_M, BLOCK_N, num_warps, num_stages) of a grid with
 every candidate number of key splits, under a CUDA graph (replays of the whole op call,
@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_op  # noqa: E402
 
-from torch_tree_attn import triton_backend as tb  # noqa: E402
-from torch_tree_attn import triton_heuristics as heur  # noqa: E402
+from torch_tree_attn.backends import cuda as tb  # noqa: E402
+from torch_tree_attn.backends.cuda import plan as heur  # noqa: E402
 
 
 def problem(B, T, P, Hq, Hkv, D, dtype, seed=0):

@@ -45,7 +45,7 @@ void check_contract(const ArgMeta& query, const ArgMeta& key, const ArgMeta& val
   }
 }
 
-// The shared prepare() for the Triton interpreter launcher (torch_tree_attn/triton_backend.py),
+// The shared prepare() for the Triton interpreter launcher (torch_tree_attn/backends/cuda/__init__.py),
 // with OffsetCheck::ClampInKernelAnyInt as the C++ CUDA backend uses it: offsets are never
 // read on the host. Returns the typed Prepared (bound below). No validation happens
 // anywhere else.
@@ -92,7 +92,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("v_stride", [](const Problem& p) { return strides4(p.v_stride); })
       .def_property_readonly("mask_stride", [](const Problem& p) { return strides4(p.mask_stride); })
       .def_property_readonly("mask_float", [](const Problem& p) { return p.mask_kind == tree_attn::MaskKind::Additive; })
-      .def_readonly("has_offsets", &Problem::has_offsets)
+      .def_readonly("has_mask_offset", &Problem::has_mask_offset)
       .def_readonly("has_sinks", &Problem::has_sinks)
       .def_readonly("scale", &Problem::scale)
       .def_property_readonly("softcap", [](const Problem& p) {
@@ -104,7 +104,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("key", &Prepared::key)
       .def_readonly("value", &Prepared::value)
       .def_readonly("mask", &Prepared::mask)
-      .def_property_readonly("offsets", [](const Prepared& p) { return defined_or_none(p.offsets); })
+      .def_property_readonly("mask_offset", [](const Prepared& p) { return defined_or_none(p.mask_offset); })
       .def_property_readonly("sinks", [](const Prepared& p) { return defined_or_none(p.sinks); })
       .def_readonly("problem", &Prepared::p);
   m.def("_prepare", &prepare_for_launcher,

@@ -37,7 +37,7 @@ struct Problem {
   int64_t mask_stride[4] = {0, 0, 0, 0};
   MaskKind mask_kind = MaskKind::Bool;
 
-  bool has_offsets = false;
+  bool has_mask_offset = false;
   bool has_sinks = false;
   float scale = 1.0f;
   float softcap = 0.0f;  // 0 means off
@@ -48,7 +48,7 @@ struct Problem {
 struct Prepared {
   at::Tensor query, key, value;  // stride(-1) == 1
   at::Tensor mask;               // bool or float32, original (broadcast) strides
-  at::Tensor offsets;            // int32 [B] contiguous, undefined when has_offsets is false
+  at::Tensor mask_offset;        // int32 [B] contiguous, undefined when has_mask_offset is false
   at::Tensor sinks;              // float32 [Hq] contiguous, undefined when has_sinks is false
   Problem p;
 };
@@ -75,11 +75,11 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
 
 // Where the offsets live decides what can be checked: reading them on MPS/CUDA would
 // force a device sync, so there kernels clamp instead (see README, "Offsets").
-//   OnHost        checked here (CPU); Prepared::offsets is int32.
-//   ClampInKernel the kernels clamp; Prepared::offsets is int32, int64 saturated (Metal
+//   OnHost        checked here (CPU); Prepared::mask_offset is int32.
+//   ClampInKernel the kernels clamp; Prepared::mask_offset is int32, int64 saturated (Metal
 //                 reads int32 only), which costs a conversion kernel for int64 offsets.
 //   ClampInKernelAnyInt the kernels clamp and read int32 or int64 as given (the Triton
-//                 kernels): Prepared::offsets is the caller's tensor, made contiguous.
+//                 kernels): Prepared::mask_offset is the caller's tensor, made contiguous.
 enum class OffsetCheck { OnHost, ClampInKernel, ClampInKernelAnyInt };
 
 Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

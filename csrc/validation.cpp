@@ -134,7 +134,7 @@ Problem check_contract(const ArgInfo& query, const ArgInfo& key, const ArgInfo& 
                       "], got ", shape_of(off.sizes));
     TORCH_CHECK_VALUE(off.device == device, "mask_offset must be on the query's device ", device,
                       ", got ", off.device);
-    p.has_offsets = true;
+    p.has_mask_offset = true;
   }
 
   if (sinks != nullptr) {
@@ -204,7 +204,7 @@ Prepared prepare(const at::Tensor& query, const at::Tensor& key, const at::Tenso
     }
     // int32 is exact here: on the host path offsets are <= S; on the clamping path any
     // value is clamped to [0, S] before it is read, so saturate instead of wrapping.
-    out.offsets = (off.scalar_type() == at::kInt || offset_check == OffsetCheck::ClampInKernelAnyInt)
+    out.mask_offset = (off.scalar_type() == at::kInt || offset_check == OffsetCheck::ClampInKernelAnyInt)
                       ? off.contiguous()
                       : off.clamp(0, std::numeric_limits<int32_t>::max()).to(at::kInt).contiguous();
   }

@@ -40,7 +40,7 @@ def _load_source(name, filename):
     __init__ loads the compiled op: training needs no op, and may run where none is built."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_tree_attn", filename)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_tree_attn", "speculative", filename)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

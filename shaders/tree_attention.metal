@@ -88,7 +88,7 @@ template <typename QT, typename KVT, int D, typename MaskT>
     device const KVT* key [[buffer(2)]],
     device const KVT* value [[buffer(3)]],
     device const MaskT* mask [[buffer(4)]],
-    device const int* offsets [[buffer(5)]],
+    device const int* mask_offset [[buffer(5)]],
     device float* partial_o [[buffer(6)]],  // [B, Hq, T, n_splits, D]
     device float* partial_m [[buffer(7)]],  // [B, Hq, T, n_splits]
     device float* partial_l [[buffer(8)]],  // [B, Hq, T, n_splits]
@@ -113,7 +113,7 @@ template <typename QT, typename KVT, int D, typename MaskT>
 
   // Offsets are clamped here, not checked on the host (that would sync the GPU): keys
   // outside [0, S) are never read whatever the offset.
-  const int off = p.has_offsets != 0 ? clamp(offsets[b], 0, p.S) : 0;
+  const int off = p.has_mask_offset != 0 ? clamp(mask_offset[b], 0, p.S) : 0;
   const int visible_end = off + min(p.M, p.S - off);  // min(off + M, S) without overflow
   const int begin = split * p.split_keys;
   // begin == end: nothing to see. (begin + split_keys may exceed int range for huge S.)
@@ -399,7 +399,7 @@ template <typename QT, typename KVT, int D, typename MaskT>
     device const KVT* key [[buffer(2)]],
     device const KVT* value [[buffer(3)]],
     device const MaskT* mask [[buffer(4)]],
-    device const int* offsets [[buffer(5)]],
+    device const int* mask_offset [[buffer(5)]],
     device float* partial_o [[buffer(6)]],  // [B, Hq, T, n_splits, D]
     device float* partial_m [[buffer(7)]],  // [B, Hq, T, n_splits]
     device float* partial_l [[buffer(8)]],  // [B, Hq, T, n_splits]
@@ -442,7 +442,7 @@ template <typename QT, typename KVT, int D, typename MaskT>
   const int rows_per_head = p.G * p.T;
 
   // Offsets clamped in the kernel, as in the vector kernel.
-  const int off = p.has_offsets != 0 ? clamp(offsets[b], 0, p.S) : 0;
+  const int off = p.has_mask_offset != 0 ? clamp(mask_offset[b], 0, p.S) : 0;
   const int visible_end = off + min(p.M, p.S - off);
   const int begin = split * p.split_keys;
   const int end = begin + clamp(visible_end - begin, 0, p.split_keys);
@@ -774,7 +774,7 @@ template <typename T, int D>
   tree_attn_main<QT, KVT, D, MASKT>(                                                                     \
       constant TreeAttnParams& p [[buffer(0)]], device const QT* query [[buffer(1)]],                    \
       device const KVT* key [[buffer(2)]], device const KVT* value [[buffer(3)]],                        \
-      device const MASKT* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],                   \
+      device const MASKT* mask [[buffer(4)]], device const int* mask_offset [[buffer(5)]],                   \
       device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],                      \
       device float* partial_l [[buffer(8)]], threadgroup KVT* kv_tile [[threadgroup(0)]],                \
       uint3 group [[threadgroup_position_in_grid]], uint thread_index [[thread_index_in_threadgroup]],   \
@@ -785,7 +785,7 @@ template <typename T, int D>
   tree_attn_mma<QT, KVT, D, MASKT>(                                                                      \
       constant TreeAttnParams& p [[buffer(0)]], device const QT* query [[buffer(1)]],                    \
       device const KVT* key [[buffer(2)]], device const KVT* value [[buffer(3)]],                        \
-      device const MASKT* mask [[buffer(4)]], device const int* offsets [[buffer(5)]],                   \
+      device const MASKT* mask [[buffer(4)]], device const int* mask_offset [[buffer(5)]],                   \
       device float* partial_o [[buffer(6)]], device float* partial_m [[buffer(7)]],                      \
       device float* partial_l [[buffer(8)]], threadgroup float* tile [[threadgroup(0)]],                 \
       uint3 group [[threadgroup_position_in_grid]], ushort simd_index [[simdgroup_index_in_threadgroup]], \

@@ -83,7 +83,7 @@ struct TreeAttnParams {
   // split_keys is a multiple of TREE_ATTN_CHUNK_KEYS.
   tree_attn_i32 split_keys, n_splits;
   tree_attn_i32 n_row_blocks;  // ceil(G * T / rows per threadgroup): 32 (vector), 64 (matrix kernel)
-  tree_attn_i32 has_offsets;   // 0: every offset is 0 and the offsets buffer is not read
+  tree_attn_i32 has_mask_offset;   // 0: every offset is 0 and the mask_offset buffer is not read
   tree_attn_i32 has_sinks;     // 0: no sinks; the reduce pass does not read its sinks buffer
   // 1: every K and V row starts at a multiple of 4 elements (storage offsets and strides),
   // so the matrix kernel loads them as 4-vectors; 0: scalar loads. The vector kernel

@@ -335,9 +335,9 @@ class TritonInterpreter(Backend):
 
     # In the worker process (TRITON_INTERPRET=1): the kernels themselves.
     def call(self, op, args):
-        from torch_tree_attn import triton_backend
+        from torch_tree_attn.backends import cuda as cuda_backend
 
-        return getattr(triton_backend, op)(*args)
+        return getattr(cuda_backend, op)(*args)
 
 
 class CUDA(Backend):
@@ -356,7 +356,7 @@ class CUDA(Backend):
 
 
 class CUDAKernel(CUDA):
-    """The CUDA backend with its main kernel forced (triton_backend.forward_with_lse(kernel=)):
+    """The CUDA backend with its main kernel forced (cuda_backend.forward_with_lse(kernel=)):
     "triton" keeps the portable Triton kernel proven on sm_90, where the default ("auto", the
     plain cuda backend) puts every call the Hopper kernel covers on it. Validation is shared:
     no bad-input table."""
@@ -370,9 +370,9 @@ class CUDAKernel(CUDA):
         self.parity_share = parity_share
 
     def call(self, op, args):
-        from torch_tree_attn import triton_backend
+        from torch_tree_attn.backends import cuda as cuda_backend
 
-        out, lse = triton_backend.forward_with_lse(*args, kernel=self.kernel)
+        out, lse = cuda_backend.forward_with_lse(*args, kernel=self.kernel)
         return (out, lse) if op == "forward_with_lse" else out
 
 

@@ -39,13 +39,14 @@ def run_cuda(cpu_inputs: dict):
 
 
 def test_registered():
-    from torch_tree_attn import _C, triton_backend
+    from torch_tree_attn import _C
+    from torch_tree_attn.backends import cuda as cuda_backend
 
-    assert triton_backend._registered
+    assert cuda_backend._registered
     for op in ("tree_attn::forward", "tree_attn::forward_with_lse"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
-    assert triton_backend.load_manifest(), "no prebuilt CUDA kernels: the install did not build them"
-    assert _C.cuda_registry_stats()["prebuilt"] == len(triton_backend.load_manifest())
+    assert cuda_backend.load_manifest(), "no prebuilt CUDA kernels: the install did not build them"
+    assert _C.cuda_registry_stats()["prebuilt"] == len(cuda_backend.load_manifest())
 
 
 FRESH_PROCESS = r"""
@@ -120,10 +121,10 @@ def _arch():
 
 
 def _run_kernel(kernel):
-    from torch_tree_attn import triton_backend
+    from torch_tree_attn.backends import cuda as cuda_backend
 
     def run(cpu_inputs):
-        out, lse = triton_backend.forward_with_lse(*args_of(to_cuda(cpu_inputs)), kernel=kernel)
+        out, lse = cuda_backend.forward_with_lse(*args_of(to_cuda(cpu_inputs)), kernel=kernel)
         return out.cpu(), lse.cpu()
     return run
 
@@ -204,10 +205,10 @@ def test_long_prefix(case):
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 def test_forced_splits(num_splits):
-    from torch_tree_attn import triton_backend
+    from torch_tree_attn.backends import cuda as cuda_backend
 
     inputs = make_inputs(LONG_CASES[0])
-    out, lse = triton_backend.forward_with_lse(*args_of(to_cuda(inputs)), num_splits=num_splits)
+    out, lse = cuda_backend.forward_with_lse(*args_of(to_cuda(inputs)), num_splits=num_splits)
     check_against_reference(out.cpu(), lse.cpu(), inputs)
 
 
@@ -235,10 +236,10 @@ def test_softcap_is_accurate_at_any_cap(softcap, scale):
 
 
 def _run_cuda_split(num_splits):
-    from torch_tree_attn import triton_backend
+    from torch_tree_attn.backends import cuda as cuda_backend
 
     def run(cpu_inputs):
-        out, lse = triton_backend.forward_with_lse(*args_of(to_cuda(cpu_inputs)), num_splits=num_splits)
+        out, lse = cuda_backend.forward_with_lse(*args_of(to_cuda(cpu_inputs)), num_splits=num_splits)
         return out.cpu(), lse.cpu()
     return run
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import torch_tree_attn  # noqa: F401
-from torch_tree_attn import _C, triton_backend
-from torch_tree_attn import triton_heuristics as heur
+from torch_tree_attn import _C
+from torch_tree_attn.backends import cuda as cuda_backend
+from torch_tree_attn.backends.cuda import plan as heur
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "csrc" / "cuda"))
@@ -28,10 +29,10 @@ needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not install
 
 
 def _spec_fields():
-    # triton_compile imports no triton at module level: its field list is checkable anywhere.
-    from torch_tree_attn import triton_compile
+    # The compiler module imports no triton at module level: its field list is checkable anywhere.
+    from torch_tree_attn.backends.cuda import compiler
 
-    return triton_compile
+    return compiler
 
 
 def test_spec_fields_and_constants_agree_across_languages():
@@ -105,16 +106,16 @@ def test_default_kernel_is_auto():
     the Triton kernel."""
     import os
 
-    assert triton_backend.DEFAULT_KERNEL == "auto"
+    assert cuda_backend.DEFAULT_KERNEL == "auto"
     if not os.environ.get("TORCH_TREE_ATTN_CUDA_KERNEL"):
-        available = triton_backend.hopper_available(triton_backend.load_manifest())
+        available = cuda_backend.hopper_available(cuda_backend.load_manifest())
         assert _C.cuda_kernel_choice() == ("auto" if available else "triton")
         plan, _, _ = _C.cuda_plan_launch(*_call(), arch=90, num_sms=132)
         assert plan.kernel == ("hopper" if available else "triton")
         plan, _, _ = _C.cuda_plan_launch(*_call(), arch=80, num_sms=108)
         assert plan.kernel == "triton"
-    assert triton_backend.hopper_available([dict(spec=dict(kind=2))])
-    assert triton_backend.hopper_available([]) == build_kernels.have_gluon()
+    assert cuda_backend.hopper_available([dict(spec=dict(kind=2))])
+    assert cuda_backend.hopper_available([]) == build_kernels.have_gluon()
 
 
 def test_plan_launch_is_the_plan_and_flags_what_the_kernels_need():
@@ -149,10 +150,10 @@ def test_plan_launch_is_the_plan_and_flags_what_the_kernels_need():
 # The Hopper (sm_90, Gluon) main kernel: when the plan chooses it, its plan, its specs.
 
 def test_hopper_table_is_the_kernels_and_the_builds():
-    from torch_tree_attn import gluon_kernels as gk
+    from torch_tree_attn.backends.cuda import hopper_kernels as hk
 
-    assert _C.hopper_table() == gk.DEFAULT_CONFIG == build_kernels.hopper_table()
-    assert _C.HOPPER_WINDOW_COST == gk.WINDOW_COST
+    assert _C.hopper_table() == hk.DEFAULT_CONFIG == build_kernels.hopper_table()
+    assert _C.HOPPER_WINDOW_COST == hk.WINDOW_COST
 
 
 @pytest.mark.parametrize("name", USER_CALLS)
@@ -203,25 +204,25 @@ def test_hopper_falls_back_where_tma_cannot_address_the_cache():
 @pytest.mark.parametrize("P,B,T,Hq", [(64, 1, 64, 32), (1024, 1, 64, 32), (4096, 1, 64, 32), (16384, 1, 64, 32),
                                       (65536, 1, 64, 32), (16384, 8, 64, 32), (16384, 1, 16, 32), (300, 2, 7, 8)])
 def test_hopper_plan_is_the_kernels_model(P, B, T, Hq):
-    """The C++ Hopper plan (splits, window units, grid) is the one gluon_kernels' Python launcher
-    and its CPU tiling model use (gluon_kernels.choose_splits), and every key is covered."""
-    from torch_tree_attn import gluon_kernels as gk
+    """The C++ Hopper plan (splits, window units, grid) is the one hopper_kernels' Python launcher
+    and its CPU tiling model use (hopper_kernels.choose_splits), and every key is covered."""
+    from torch_tree_attn.backends.cuda import hopper_kernels as hk
 
     call = _call(B=B, T=T, P=P, Hq=Hq)
     plan, main, reduce = _C.cuda_plan_launch(*call, arch=90, num_sms=132, kernel="auto")
-    cw, bn, stages = gk.DEFAULT_CONFIG[128]
+    cw, bn, stages = hk.DEFAULT_CONFIG[128]
     S, M, G = P + T, T, Hq // 8
     assert (plan.kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages) == ("hopper", 16 * cw, bn, cw,
                                                                                           stages)
     assert plan.row_blocks == -(-G * T // (16 * cw))
-    splits, window_units = gk.choose_splits(S, M, plan.row_blocks * B * 8, 132, bn, per_sm=2 if cw == 4 else 1)
+    splits, window_units = hk.choose_splits(S, M, plan.row_blocks * B * 8, 132, bn, per_sm=2 if cw == 4 else 1)
     assert (plan.num_splits, plan.window_units) == (splits, window_units)
     assert main == dict(main, kind=2, block_m=16 * cw, block_n=bn, block_d=128, window_n=0, num_warps=cw,
                         num_stages=stages, skip_unseen=0, aligned=1, wide=0)
     assert (reduce is None) == (splits == 1)
     covered = []
     for split in range(plan.num_splits):
-        t_lo, t_hi, _, kend = gk.program_tiles(P, S, M, split, plan.num_splits, plan.window_units, bn)
+        t_lo, t_hi, _, kend = hk.program_tiles(P, S, M, split, plan.num_splits, plan.window_units, bn)
         covered += list(range(t_lo, t_hi))
     assert covered == list(range(-(-S // bn)))
 
@@ -326,7 +327,7 @@ def test_build_manifest_and_registration(tmp_path, monkeypatch):
         assert k["function"] in ("_tree_attn_main", "_tree_attn_reduce") and k["scratch_args"] in (1, 2)
     build_kernels.build([90], tmp_path, jobs=1, log=logs.append, specs=specs)
     assert "up to date" in logs[-1]
-    entries = triton_backend.load_manifest(tmp_path / "manifest.json")
+    entries = cuda_backend.load_manifest(tmp_path / "manifest.json")
     for entry in entries:
         _C.cuda_register_kernel(entry["spec"], b"", str(tmp_path / entry["file"]), entry["function"],
                                 entry["shared"], entry["num_warps"], entry["scratch_args"], True)
@@ -335,7 +336,7 @@ def test_build_manifest_and_registration(tmp_path, monkeypatch):
     bad["spec_fields"] = bad["spec_fields"][:-1]
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(RuntimeError, match="rebuild the package"):
-        triton_backend.load_manifest(tmp_path / "bad.json")
+        cuda_backend.load_manifest(tmp_path / "bad.json")
 
 
 def test_archs_from_env(monkeypatch):
@@ -352,7 +353,7 @@ def test_compile_hook_without_triton_names_the_spec(monkeypatch):
     """Without triton, a spec outside the prebuilt table raises naming it and the fix."""
     monkeypatch.setitem(sys.modules, "triton", None)   # import triton -> ImportError
     with pytest.raises(RuntimeError, match="no prebuilt CUDA kernel fits .* pip install 'triton>=3.6'"):
-        triton_backend.compile_for_launcher(_unique_spec())
+        cuda_backend.compile_for_launcher(_unique_spec())
 
 
 CUDA_H = [p for p in (pathlib.Path("/usr/local/cuda/include/cuda.h"), pathlib.Path("/usr/include/cuda.h"))

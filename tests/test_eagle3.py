@@ -1,5 +1,5 @@
 """The EAGLE-3 draft, its checkpoint layout, and the speculative loop (torch_tree_attn.speculative,
-which examples/eagle3_verify.py runs through torch_tree_attn.eagle3_cli).
+which examples/eagle3_verify.py runs through torch_tree_attn.speculative.cli).
 
 The loop is checked for exact greedy equivalence with token-by-token decoding; the draft's
 cached tree expansion against an independent float64 sequential recomputation of each path;
@@ -18,9 +18,10 @@ pytest.importorskip("safetensors")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from torch_tree_attn import builtin, hf, speculative  # noqa: E402
-from torch_tree_attn.eagle3_cli import plain_greedy  # noqa: E402
-from torch_tree_attn.eagle3 import (  # noqa: E402
+from torch_tree_attn import hf, speculative  # noqa: E402
+from torch_tree_attn.speculative import builtin  # noqa: E402
+from torch_tree_attn.speculative.cli import plain_greedy  # noqa: E402
+from torch_tree_attn.speculative.eagle3 import (  # noqa: E402
     Eagle3Config,
     Eagle3Draft,
     Eagle3Drafter,
@@ -436,7 +437,7 @@ def test_demo_check_mode_subprocess():
 def test_draft_rotary_matches_transformers_llama(scaling):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from torch_tree_attn.eagle3 import Rotary
+    from torch_tree_attn.speculative.eagle3 import Rotary
 
     shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                  vocab_size=10, max_position_embeddings=512)

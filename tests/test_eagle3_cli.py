@@ -1,4 +1,4 @@
-"""The command line of examples/eagle3_verify.py (torch_tree_attn.eagle3_cli): bad input gives
+"""The command line of examples/eagle3_verify.py (torch_tree_attn.speculative.cli): bad input gives
 one clear line and a non-zero exit status, never a traceback, and the reported numbers match
 what was actually emitted; the built-in models' assets directory is found, or named.
 
@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from torch_tree_attn import builtin  # noqa: E402
-from torch_tree_attn import eagle3_cli as demo  # noqa: E402
+from torch_tree_attn.speculative import builtin  # noqa: E402
+from torch_tree_attn.speculative import cli as demo  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "eagle3_verify.py: error: "
@@ -427,7 +427,7 @@ def test_check_passes_on_a_gemma4_and_a_gpt_oss_target(kind, tmp_path, capsys):
     """The loop on a sliding-window target (window 4, shorter than the tree and the output),
     with sinks for gpt-oss and KV-shared layers for Gemma 4: --check asserts that EAGLE-3
     tree decoding emits exactly plain greedy decoding's tokens."""
-    from torch_tree_attn.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3_draft
+    from torch_tree_attn.speculative.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3_draft
 
     target = _tiny_target(kind)
     target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
@@ -496,7 +496,7 @@ def test_summary_reports_the_tree_actually_built(argv, size, monkeypatch, capsys
 
 
 # --------------------------------------------------------------------------------------------
-# Where the built-in weights are read from (torch_tree_attn.builtin.assets_dir)
+# Where the built-in weights are read from (torch_tree_attn.speculative.builtin.assets_dir)
 # --------------------------------------------------------------------------------------------
 
 

@@ -1121,13 +1121,13 @@ def warm_cuda(indices, seed: int = BASE_SEED, jobs: Optional[int] = None) -> tup
     import multiprocessing
 
     from tests.warm_cuda_kernels import _compile
-    from torch_tree_attn import triton_backend
+    from torch_tree_attn.backends import cuda as cuda_backend
 
     t0 = time.perf_counter()
     major, minor = torch.cuda.get_device_capability()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     specs = cuda_specs("cuda", indices, seed, major * 10 + minor, num_sms)
-    prebuilt = {json.dumps(e["spec"], sort_keys=True) for e in triton_backend.load_manifest()}
+    prebuilt = {json.dumps(e["spec"], sort_keys=True) for e in cuda_backend.load_manifest()}
     todo = [spec for key, spec in specs.items() if key not in prebuilt]
     if todo:
         # Spawned workers: this process has initialised CUDA, which a forked child must not inherit.

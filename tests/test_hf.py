@@ -33,7 +33,8 @@ from transformers import (
 )
 
 import torch_tree_attn.hf as hf
-from torch_tree_attn._hf_compat import cache_kwargs, crop, records_its_length
+from torch_tree_attn.hf import attention as hf_attention
+from torch_tree_attn.hf.compat import cache_kwargs, crop, records_its_length
 
 hf.register()
 
@@ -625,8 +626,8 @@ def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeyp
     def no_dense_masks(*args, **kwargs):
         raise AssertionError("a dense mask was built in compact tree mode")
 
-    hf_tree_attention = hf.tree_attention
-    monkeypatch.setattr(hf, "tree_attention", spy)
+    hf_tree_attention = hf_attention.tree_attention
+    monkeypatch.setattr(hf_attention, "tree_attention", spy)
     monkeypatch.setattr(masking_utils, "sdpa_mask", no_dense_masks)
     with torch.no_grad():
         hf.tree_forward(model, tokens, parents, slot, cache)
@@ -654,8 +655,8 @@ def test_ordinary_decoding_without_padding_uses_compact_causal_masks(monkeypatch
     def no_dense_masks(*args, **kwargs):
         raise AssertionError("a dense mask was built for a plain causal forward")
 
-    hf_tree_attention = hf.tree_attention
-    monkeypatch.setattr(hf, "tree_attention", spy)
+    hf_tree_attention = hf_attention.tree_attention
+    monkeypatch.setattr(hf_attention, "tree_attention", spy)
     monkeypatch.setattr(masking_utils, "sdpa_mask", no_dense_masks)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -688,7 +689,7 @@ def test_tree_mode_rejects_bad_tree_arguments():
     with pytest.raises(ValueError, match=r"mask_offset has 2 entries, expected 1 "):
         call(tree_mask=chain, mask_offset=torch.tensor([5, 5]))
     if DEVICE.type == "cpu":
-        # Checked only where reading the offsets cannot sync a device (hf.py).
+        # Checked only where reading the offsets cannot sync a device (hf/attention.py).
         with pytest.raises(ValueError, match=r"mask_offset \[4\] does not match the cache: .* slot \[5\]"):
             call(tree_mask=chain, mask_offset=torch.tensor([4]))
     cache = DynamicCache(config=model.config)

@@ -379,7 +379,7 @@ def test_views_with_storage_offsets_and_strided_mask():
     offsets_bound = {b["role"]: b["byte_offset"] for b in plan["launches"][0]["buffers"]}
     assert offsets_bound["query"] == q.storage_offset() * 2
     assert offsets_bound["value"] == v.storage_offset() * 2
-    assert offsets_bound["offsets"] == offsets.storage_offset() * 4
+    assert offsets_bound["mask_offset"] == offsets.storage_offset() * 4
     out, lse = sim(inputs)
     check_against_reference(out, lse, inputs)
 
@@ -605,7 +605,7 @@ def test_plan_geometry(dtype, kv_dtype, D, with_sinks, family):
     assert reduce["grid"] == [math.ceil(B * Hq * T / 4), 1, 1] and reduce["threads"] == [128, 1, 1]
     slots = B * Hq * T * plan["n_splits"]
     assert plan["scratch_bytes"] >= slots * (D + 2) * 4
-    assert {b["role"] for b in main["buffers"]} == {"params", "query", "key", "value", "mask", "offsets",
+    assert {b["role"] for b in main["buffers"]} == {"params", "query", "key", "value", "mask", "mask_offset",
                                                     "partial_o", "partial_m", "partial_l"}
     assert [b["index"] for b in reduce["buffers"]] == list(range(7))
     # No sinks: the sinks slot gets a read-only region the kernel never reads.

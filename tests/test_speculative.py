@@ -4,7 +4,7 @@ References, each independent of the module under test:
 
 - greedy: transformers' own ``generate(do_sample=False)`` on the same target;
 - the draft trees: :func:`torch_tree_attn.tree.build_dynamic_tree` driven by the batch-1
-  :class:`~torch_tree_attn.eagle3.Eagle3Drafter` (which commits from a plain forward's features);
+  :class:`~torch_tree_attn.speculative.eagle3.Eagle3Drafter` (which commits from a plain forward's features);
 - sampling: the exact joint distribution of the first tokens, enumerated from the target's
   logits, against the empirical one of many rows (chi-squared); the same test rejects two
   deliberately wrong acceptance rules;
@@ -27,8 +27,11 @@ pytest.importorskip("safetensors")
 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from torch_tree_attn import builtin, hf, speculative  # noqa: E402
-from torch_tree_attn.eagle3 import (  # noqa: E402
+from torch_tree_attn import hf, speculative  # noqa: E402
+from torch_tree_attn.hf import compat  # noqa: E402
+from torch_tree_attn.speculative import builtin  # noqa: E402
+from torch_tree_attn.speculative import engine as spec_engine  # noqa: E402
+from torch_tree_attn.speculative.eagle3 import (  # noqa: E402
     Eagle3Config,
     Eagle3Draft,
     Eagle3Drafter,
@@ -143,7 +146,7 @@ def test_batched_trees_equal_build_dynamic_tree(pair, shape):
     target, draft = pair
     tree = TreeConfig(*shape)
     rows = [encode(p) for p in PROMPTS[:3]]
-    engine = speculative._Engine(target, draft, len(rows), 128, tree, torch.device("cpu"))
+    engine = spec_engine._Engine(target, draft, len(rows), 128, tree, torch.device("cpu"))
     engine.begin(64, [], 0)
     with torch.no_grad():
         first = engine.prefill(rows, 0.0, 1.0).tolist()
@@ -234,7 +237,7 @@ def step_logits(target, row, tokens):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.config)
-    kwargs = speculative._hf_compat.cache_kwargs(target, cache)
+    kwargs = compat.cache_kwargs(target, cache)
     with torch.no_grad():
         out = target(input_ids=torch.tensor([row], device=target.device), use_cache=True, **kwargs)
         steps = [out.logits[0, -1].float()]
@@ -381,10 +384,10 @@ def test_buffers_are_reused_and_freed_with_the_target(tiny_pair):
     config._attn_implementation = "tree_attn"
     target = LlamaForCausalLM(config).eval()
     out = speculative.generate(target, draft, [PROMPT], 5, stop=())
-    engine = speculative._ENGINES[target]
+    engine = spec_engine._ENGINES[target]
     assert out.stats.setup_s > 0
     again = speculative.generate(target, draft, [PROMPT], 5, stop=())
-    assert speculative._ENGINES[target] is engine and again.stats.setup_s == 0  # the same buffers
+    assert spec_engine._ENGINES[target] is engine and again.stats.setup_s == 0  # the same buffers
     assert again.tolist() == out.tolist()
     engine = weakref.ref(engine)
     del target
@@ -546,7 +549,7 @@ def test_the_sampling_test_rejects_a_wrong_rule(tiny_pair, monkeypatch, wrong):
     """The same statistics, with the acceptance rule replaced by a plausible wrong one: the
     test must reject it, so it has the power to catch a wrong rule."""
     target, draft = tiny_pair
-    monkeypatch.setattr(speculative, "_sibling_trials", wrong(speculative._sibling_trials))
+    monkeypatch.setattr(spec_engine, "_sibling_trials", wrong(spec_engine._sibling_trials))
     counts, _ = sample_joint(target, draft, 1.0, 1.0)
     assert chi_squared_p(counts, ROWS * exact_joint(target, 1.0, 1.0)) < 1e-6
 
@@ -681,13 +684,13 @@ def test_cuda_graphs_are_captured_once_and_replayed(cuda_pair):
     speculative.release(target)
     row = encode(PROMPTS[0])
     first = speculative.generate(target, draft, [row], 96, stop=())
-    engine = speculative._ENGINES[target]
+    engine = spec_engine._ENGINES[target]
     graphs = dict(engine.graphs)
     assert first.stats.cuda_graphs and first.stats.capture_s > 0 and len(graphs) == 3
     again = speculative.generate(target, draft, [row], 96, stop=())
     assert again.tolist() == first.tolist()
     assert_greedy(target, row, first.tolist()[0], hf_greedy(target, row, 96))
-    assert again.stats.capture_s == 0 and speculative._ENGINES[target] is engine
+    assert again.stats.capture_s == 0 and spec_engine._ENGINES[target] is engine
     assert all(engine.graphs[k] is g for k, g in graphs.items())  # replayed, not captured again
     eager = speculative.generate(target, draft, [row], 96, stop=(), cuda_graphs=False)
     assert eager.tolist() == first.tolist()
@@ -705,8 +708,8 @@ def test_cuda_round_does_not_synchronize(cuda_pair, graphs):
         chunks = speculative.stream(target, draft, rows, 200, temperature=temperature, stop=(), cuda_graphs=graphs)
         next(chunks)  # the prefill
         next(chunks)  # the first round (with graphs: the warm-up round, then the capture)
-        engine = speculative._ENGINES[target]
-        timer = speculative._Timer(torch.device("cuda"))
+        engine = spec_engine._ENGINES[target]
+        timer = spec_engine._Timer(torch.device("cuda"))
         timer.start()
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -14,7 +14,7 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torch_tree_attn._hf_compat import cache_kwargs
+from torch_tree_attn.hf.compat import cache_kwargs
 from torch_tree_attn.hf import compact_kv_cache
 from torch_tree_attn.tree import (
     DraftTree,
@@ -137,7 +137,8 @@ def test_batched_trees_match_each_tree(forest, seed):
 
 
 def test_tree_module_does_not_import_transformers():
-    """tree.py is plain torch: transformers-specific code (cache compaction) lives in hf.py."""
+    """The tree utilities are plain torch: transformers-specific code (cache compaction) lives in
+    torch_tree_attn.hf."""
     import subprocess
     import sys
 

@@ -1,4 +1,4 @@
-"""The CUDA backend's Triton kernels (torch_tree_attn/triton_backend.py) without a GPU.
+"""The CUDA backend's Triton kernels (torch_tree_attn/backends/cuda/__init__.py) without a GPU.
 
 Everything the kernels compute runs in one child process per session under Triton's
 interpreter (TRITON_INTERPRET=1 must be set before triton is imported; see
@@ -36,7 +36,7 @@ def test_interpreter(group):
 
 
 def test_heuristics():
-    from torch_tree_attn import triton_heuristics as heur
+    from torch_tree_attn.backends.cuda import plan as heur
 
     # Reference shape on an H200 (132 SMs): 256 rows per kv head, 8 kv heads, a 64-node tree.
     plan = heur.choose(128, True, 256, 8, 16384 + 64, 64, 132, T=64)
@@ -84,7 +84,7 @@ def test_heuristics():
 
 # Ahead-of-time compilation for an H100/H200 (sm_90) with triton's bundled ptxas, through
 # the same spec -> signature path the prebuilt table and the run-time fallback use
-# (torch_tree_attn/triton_compile.py): the real (non-interpreter) Triton frontend and
+# (torch_tree_attn/backends/cuda/compiler.py): the real (non-interpreter) Triton frontend and
 # backend accept the kernels, without a GPU.
 AOT_VARIANTS = [
     # (query, key/value, head dim, float mask, softcap, skip test)
@@ -97,8 +97,8 @@ AOT_VARIANTS = [
 
 
 def _spec(qt, kvt, D, mask_float, softcap, skip, block_m=None):
-    from torch_tree_attn import triton_compile as tc
-    from torch_tree_attn import triton_heuristics as heur
+    from torch_tree_attn.backends.cuda import compiler as tc
+    from torch_tree_attn.backends.cuda import plan as heur
 
     plan = heur.choose(D, qt != "fp32", 4096, 1, 100, 64, 132)
     spec = dict.fromkeys(tc.SPEC_FIELDS, 0)
@@ -113,8 +113,8 @@ def _spec(qt, kvt, D, mask_float, softcap, skip, block_m=None):
 @pytest.mark.parametrize("variant", AOT_VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_kernels_compile_for_sm90(variant):
     pytest.importorskip("triton.backends.nvidia")
-    from torch_tree_attn import triton_compile as tc
-    from torch_tree_attn import triton_heuristics as heur
+    from torch_tree_attn.backends.cuda import compiler as tc
+    from torch_tree_attn.backends.cuda import plan as heur
 
     spec = _spec(*variant)
     try:

@@ -1,6 +1,6 @@
 """The wheel: what ``pip wheel --no-build-isolation --no-deps .`` ships, and its size.
 
-The package's .py files, the _C extension, any prebuilt CUDA kernels (torch_tree_attn/kernels/,
+The package's .py files, the _C extension, any prebuilt CUDA kernels (torch_tree_attn/backends/cuda/kernels/,
 none here: TORCH_TREE_ATTN_CUDA_ARCHS=none) and the metadata; the shaders are embedded in _C
 (build/generated/shader_source.h, compiled in on macOS only); no demo weights (examples/assets),
 no tests, no examples. At most 2 MB besides the kernels.
@@ -30,6 +30,7 @@ import torch_tree_attn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "torch_tree_attn"
+KERNELS = PACKAGE + "/backends/cuda/kernels/"   # the prebuilt CUDA kernels
 SIZE_LIMIT = 2 * 2**20  # bytes of wheel besides the prebuilt kernels
 
 pytestmark = pytest.mark.wheel
@@ -84,8 +85,8 @@ def test_wheel_holds_the_package_and_nothing_else(wheel):
     assert py == sources, (sorted(sources - py), sorted(py - sources))
     extension = [n for n in package if n.startswith(PACKAGE + "/_C.") and n.endswith((".so", ".pyd"))]
     assert len(extension) == 1, extension
-    kernels = [n for n in package if n.startswith(PACKAGE + "/kernels/")]
-    if os.environ.get("TORCH_TREE_ATTN_CUDA_ARCHS", "none") == "none" and not (ROOT / PACKAGE / "kernels").exists():
+    kernels = [n for n in package if n.startswith(KERNELS)]
+    if os.environ.get("TORCH_TREE_ATTN_CUDA_ARCHS", "none") == "none" and not (ROOT / KERNELS).exists():
         assert not kernels, kernels[:5]
     rest = set(package) - py - set(extension) - set(kernels)
     assert not rest, sorted(rest)
@@ -98,7 +99,7 @@ def test_wheel_holds_the_package_and_nothing_else(wheel):
 
 def test_wheel_size(wheel):
     with zipfile.ZipFile(wheel) as z:
-        kernels = sum(i.compress_size for i in z.infolist() if i.filename.startswith(PACKAGE + "/kernels/"))
+        kernels = sum(i.compress_size for i in z.infolist() if i.filename.startswith(KERNELS))
         largest = max(z.infolist(), key=lambda i: i.compress_size)
     size = wheel.stat().st_size
     assert size - kernels <= SIZE_LIMIT, (
@@ -114,7 +115,7 @@ def test_installed_wheel_imports_and_names_the_missing_demo_assets(wheel, tmp_pa
         z.extractall(site)
     script = textwrap.dedent("""
         import os, torch, torch_tree_attn
-        from torch_tree_attn import builtin
+        from torch_tree_attn.speculative import builtin
         assert torch_tree_attn.__file__.startswith(os.environ["SITE"]), torch_tree_attn.__file__
         q = torch.randn(1, 2, 3, 64)
         out = torch.ops.tree_attn.forward(q, q[:, :1], q[:, :1], torch.ones(1, 3, 3, dtype=torch.bool))

@@ -20,7 +20,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (
 import torch  # noqa: E402
 
 import torch_tree_attn  # noqa: E402,F401
-from torch_tree_attn import triton_backend as tb  # noqa: E402
+from torch_tree_attn.backends import cuda as tb  # noqa: E402
 from tests import backends  # noqa: E402
 from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks,  # noqa: E402
                          args_of, check_against_reference, make_inputs)

@@ -5,7 +5,7 @@ tests/test_contract.py's cuda items (the parity matrix, the non-finite table) ru
 prebuilt table lacks (a float32 query, D=96, mixed dtypes) would otherwise be compiled by
 every shard that meets it, one after another inside each. Here each is compiled once, by a
 pool of processes, through the same spec -> cubin path as the run-time fallback
-(torch_tree_attn/triton_compile.py), whose results Triton caches on disk.
+(torch_tree_attn/backends/cuda/compiler.py), whose results Triton caches on disk.
 
     python -m tests.warm_cuda_kernels [--jobs N]
 """
@@ -21,10 +21,11 @@ def needed_specs(arch: int, num_sms: int) -> list:
     """The distinct kernel specs (main and reduce) of the GPU tests' cases on this GPU, minus
     the prebuilt ones."""
     import torch_tree_attn  # noqa: F401
-    from torch_tree_attn import _C, triton_backend
+    from torch_tree_attn import _C
+    from torch_tree_attn.backends import cuda as cuda_backend
     from tests.cases import args_of, make_inputs, nonfinite_cases, parity_matrix
 
-    prebuilt = {json.dumps(e["spec"], sort_keys=True) for e in triton_backend.load_manifest()}
+    prebuilt = {json.dumps(e["spec"], sort_keys=True) for e in cuda_backend.load_manifest()}
     cases = parity_matrix() + [case for case, _ in nonfinite_cases()]
     seen = {}
     for case in cases:
@@ -40,10 +41,10 @@ def needed_specs(arch: int, num_sms: int) -> list:
 
 
 def _compile(spec: dict) -> float:
-    from torch_tree_attn import triton_compile
+    from torch_tree_attn.backends.cuda import compiler
 
     t0 = time.perf_counter()
-    triton_compile.binary_of(triton_compile.compile_spec(spec))
+    compiler.binary_of(compiler.compile_spec(spec))
     return time.perf_counter() - t0
 
 

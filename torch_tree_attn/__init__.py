@@ -15,11 +15,11 @@ from .ops import tree_attention
 
 def _register_cuda_backend() -> None:
     """The CUDA op is C++ (csrc/cuda/, registered with the extension); this registers its
-    prebuilt kernels and its compile-once fallback (torch_tree_attn/triton_backend.py).
+    prebuilt kernels and its compile-once fallback (torch_tree_attn/backends/cuda/__init__.py).
     Reads a small manifest; imports no triton; touches no GPU."""
-    from . import triton_backend
+    from .backends import cuda
 
-    triton_backend.register()
+    cuda.register()
 
 
 _register_cuda_backend()

@@ -862,7 +862,7 @@ struct Kernel {
 
 void forward_cpu_impl(const Prepared& in, at::Tensor& out, at::Tensor& lse) {
   const Problem& p = in.p;
-  const int32_t* offsets = p.has_offsets ? in.offsets.data_ptr<int32_t>() : nullptr;
+  const int32_t* offsets = p.has_mask_offset ? in.mask_offset.data_ptr<int32_t>() : nullptr;
   int64_t max_keys = p.M;
   if (offsets)
     for (int64_t b = 0; b < p.B; ++b) max_keys = std::max<int64_t>(max_keys, offsets[b] + p.M);

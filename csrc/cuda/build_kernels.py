@@ -1,7 +1,7 @@
 """Builds the CUDA backend's prebuilt kernels: every spec of the instantiation table below,
 compiled by Triton for each target architecture (no GPU needed), into
-torch_tree_attn/kernels/ as one cubin per spec plus manifest.json, which the package
-registers at import (triton_backend.register) and the C++ launcher loads at first use.
+torch_tree_attn/backends/cuda/kernels/ as one cubin per spec plus manifest.json, which the package
+registers at import (torch_tree_attn.backends.cuda.register) and the C++ launcher loads at first use.
 
 The table: the tiles of csrc/cuda/tile_configs.def (the plan's own table) for the dtypes
 users run models in (float16, bfloat16, and float32 for K/V and query alike: the built-in demo
@@ -12,7 +12,7 @@ every cache layout the package builds gives). For sm_90 also the Hopper (Gluon) 
 rows of the table: every head dim it has, float16/bfloat16, both mask kinds, softcap on and
 off (where triton has Gluon's Hopper module). Everything else -- a float32 query over a
 half cache, another head dim, another architecture, an unaligned or huge call -- is compiled once per process
-at run time by the same code (torch_tree_attn/triton_compile.py).
+at run time by the same code (torch_tree_attn/backends/cuda/compiler.py).
 
     python csrc/cuda/build_kernels.py [--arch 80 90] [--out DIR] [--jobs N] [--list]
 
@@ -35,8 +35,9 @@ import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "torch_tree_attn"
+BACKEND = PACKAGE / "backends" / "cuda"   # the CUDA backend's Python side
 TABLE = ROOT / "csrc" / "cuda" / "tile_configs.def"
-DEFAULT_OUT = PACKAGE / "kernels"
+DEFAULT_OUT = BACKEND / "kernels"
 DEFAULT_ARCHS = (80, 90)
 # The prebuilt instantiations: (dtype, head dims); variants per spec as described above.
 PREBUILT_DTYPES = ("bf16", "fp16", "fp32")
@@ -57,13 +58,16 @@ def tile_table():
 
 
 def _compile_module():
-    """torch_tree_attn.triton_compile without running the package's __init__ (which needs
-    the C++ extension this build may not have made yet)."""
-    if "torch_tree_attn" not in sys.modules:
-        pkg = types.ModuleType("torch_tree_attn")
-        pkg.__path__ = [str(PACKAGE)]
-        sys.modules["torch_tree_attn"] = pkg
-    import torch_tree_attn.triton_compile as tc
+    """torch_tree_attn.backends.cuda.compiler without running the packages' __init__ files
+    (the top one and the CUDA backend's load the C++ extension, which this build may not
+    have made yet): the three packages stand in as plain namespaces of their folders."""
+    for name, folder in (("torch_tree_attn", PACKAGE), ("torch_tree_attn.backends", PACKAGE / "backends"),
+                         ("torch_tree_attn.backends.cuda", BACKEND)):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(folder)]
+            sys.modules[name] = pkg
+    import torch_tree_attn.backends.cuda.compiler as tc
     return tc
 
 
@@ -135,7 +139,7 @@ def source_hash(archs):
     import triton
 
     h = hashlib.sha256()
-    for p in (PACKAGE / "triton_kernels.py", PACKAGE / "gluon_kernels.py", PACKAGE / "triton_compile.py", TABLE,
+    for p in (BACKEND / "triton_kernels.py", BACKEND / "hopper_kernels.py", BACKEND / "compiler.py", TABLE,
               pathlib.Path(__file__)):
         h.update(p.read_bytes())
     h.update(f"triton {triton.__version__} archs {sorted(archs)} gluon {have_gluon()}".encode())

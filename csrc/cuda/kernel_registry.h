@@ -18,7 +18,7 @@
 namespace tree_attn::cuda {
 
 // Everything that selects one compiled kernel. Fields and their order are
-// torch_tree_attn/triton_compile.py's SPEC_FIELDS (a test holds them equal); dtypes are
+// torch_tree_attn/backends/cuda/compiler.py's SPEC_FIELDS (a test holds them equal); dtypes are
 // its DTYPE_CODES. Fields a kernel kind does not use stay 0.
 struct KernelSpec {
   int32_t kind = 0;         // 0 main pass (Triton), 1 reduce pass, 2 main pass (Hopper, Gluon)

@@ -15,7 +15,7 @@ namespace tree_attn::cuda {
 
 // Which main kernel a call may use. Auto: the Hopper kernel on sm_90 for every call it
 // covers (hopper_why_not), else the Triton kernel. The process default is Triton; it comes
-// from TORCH_TREE_ATTN_CUDA_KERNEL (auto / triton / hopper), set at import (triton_backend).
+// from TORCH_TREE_ATTN_CUDA_KERNEL (auto / triton / hopper), set at import (torch_tree_attn.backends.cuda).
 enum class KernelChoice : int { Auto = 0, Triton = 1, Hopper = 2 };
 void set_default_choice(KernelChoice choice);
 KernelChoice default_choice();

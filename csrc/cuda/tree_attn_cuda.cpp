@@ -82,7 +82,7 @@ class Args {
 
 // Element strides of a [B, H, S, D] K/V for a tensor map: a size-1 dimension's stride does
 // not address anything but must still be a valid (16-byte multiple) stride, so it takes
-// another dimension's (gluon_kernels._tma_strides).
+// another dimension's (hopper_kernels._tma_strides).
 std::array<int64_t, 4> tma_strides(const at::Tensor& t) {
   int64_t fallback = t.size(3);
   for (int i : {2, 1, 0})
@@ -124,7 +124,7 @@ void push_tensor_map(Args& a, const at::Tensor& t, const TmaMeta& meta) {
 }
 
 // The process default (README, "The CUDA kernels"): the Hopper kernel where it covers a call.
-// triton_backend.register() sets it from TORCH_TREE_ATTN_CUDA_KERNEL, and to Triton where the
+// torch_tree_attn.backends.cuda.register() sets it from TORCH_TREE_ATTN_CUDA_KERNEL, and to Triton where the
 // install can neither load nor compile the Hopper kernel.
 std::atomic<int> g_default_choice{int(KernelChoice::Auto)};
 
@@ -206,7 +206,7 @@ Launch plan_launch(const Prepared& in, int arch, int num_sms, std::optional<int>
   const int64_t total_rows = p.B * p.Hq * p.T;
   bool wide = !fits_i32(total_rows) || !fits_i32(p.S);
   // aligned: the pointers (and for Triton the Q/K/V row strides) divisible by 16
-  // (triton_compile.py's / gluon_kernels.py's specialisation; the mask is not specialised);
+  // (compiler.py's / hopper_kernels.py's specialisation; the mask is not specialised);
   // wide: some size or stride needs int64. The Hopper kernel reads K/V through tensor maps,
   // so only Q's and the mask's strides are its integer strides.
   bool aligned = true;
@@ -296,7 +296,7 @@ void run(const Prepared& in, at::Tensor& out, at::Tensor& lse, std::optional<int
   const void* partial_o = L.split() ? static_cast<const void*>(po) : lse.const_data_ptr();
   const void* partial_m = L.split() ? static_cast<const void*>(pm) : lse.const_data_ptr();
   const void* partial_l = L.split() ? static_cast<const void*>(pl) : lse.const_data_ptr();
-  const int32_t off_kind = !p.has_offsets ? 0 : in.offsets.scalar_type() == at::kLong ? 2 : 1;
+  const int32_t off_kind = !p.has_mask_offset ? 0 : in.mask_offset.scalar_type() == at::kLong ? 2 : 1;
   const bool wide = L.main.wide;
 
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
@@ -314,7 +314,7 @@ void run(const Prepared& in, at::Tensor& out, at::Tensor& lse, std::optional<int
     a.ptr(addr(L.key));
     a.ptr(addr(L.value));
   }
-  for (const void* ptr : {addr(in.mask), addr(in.offsets), addr(in.sinks), static_cast<const void*>(out.data_ptr()),
+  for (const void* ptr : {addr(in.mask), addr(in.mask_offset), addr(in.sinks), static_cast<const void*>(out.data_ptr()),
                           static_cast<const void*>(lse.data_ptr()), partial_o, partial_m, partial_l})
     a.ptr(ptr);
   const auto sq = kernel_strides(L.query), sk = kernel_strides(L.key), sv = kernel_strides(L.value);

@@ -145,7 +145,7 @@ const char* role_name(BufferRole role) {
     case BufferRole::Key: return "key";
     case BufferRole::Value: return "value";
     case BufferRole::Mask: return "mask";
-    case BufferRole::Offsets: return "offsets";
+    case BufferRole::MaskOffset: return "mask_offset";
     case BufferRole::Sinks: return "sinks";
     case BufferRole::PartialO: return "partial_o";
     case BufferRole::PartialM: return "partial_m";
@@ -203,7 +203,7 @@ Plan make_plan(const Prepared& in, KernelFamily family) {
   params.S = int32_t(p.S);
   params.M = int32_t(p.M);
   params.D = int32_t(p.D);
-  params.has_offsets = p.has_offsets ? 1 : 0;
+  params.has_mask_offset = p.has_mask_offset ? 1 : 0;
   params.has_sinks = p.has_sinks ? 1 : 0;
   params.kv_aligned4 = 0;
   params.scale = p.scale;
@@ -260,15 +260,15 @@ Plan make_plan(const Prepared& in, KernelFamily family) {
   }
   TORCH_CHECK(main.threadgroup_memory_bytes <= TREE_ATTN_TILE_BYTES, "tree attention: tile of ",
               main.threadgroup_memory_bytes, " bytes exceeds 32 KB of threadgroup memory");
-  const bool offsets = p.has_offsets;
+  const bool has_offset = p.has_mask_offset;
   main.buffers = {
       {0, BufferRole::Params, 0, false},
       {1, BufferRole::Query, storage_byte_offset(in.query), false},
       {2, BufferRole::Key, storage_byte_offset(in.key), false},
       {3, BufferRole::Value, storage_byte_offset(in.value), false},
       {4, BufferRole::Mask, storage_byte_offset(in.mask), false},
-      {5, offsets ? BufferRole::Offsets : BufferRole::Query,
-       offsets ? storage_byte_offset(in.offsets) : storage_byte_offset(in.query), false},
+      {5, has_offset ? BufferRole::MaskOffset : BufferRole::Query,
+       has_offset ? storage_byte_offset(in.mask_offset) : storage_byte_offset(in.query), false},
       {6, BufferRole::PartialO, plan.partial_o_offset, true},
       {7, BufferRole::PartialM, plan.partial_m_offset, true},
       {8, BufferRole::PartialL, plan.partial_l_offset, true},
@@ -300,7 +300,7 @@ const at::Tensor& CallTensors::tensor_for(BufferRole role) const {
     case BufferRole::Key: return in.key;
     case BufferRole::Value: return in.value;
     case BufferRole::Mask: return in.mask;
-    case BufferRole::Offsets: return in.offsets;
+    case BufferRole::MaskOffset: return in.mask_offset;
     case BufferRole::Sinks: return in.sinks;
     case BufferRole::PartialO:
     case BufferRole::PartialM:

@@ -27,7 +27,7 @@ namespace tree_attn {
 enum class BufferRole {
   Params,    // setBytes of Plan::params
   Query, Key, Value, Mask,
-  Offsets,   // int32 [B]; when the call has none, the query buffer is bound and never read
+  MaskOffset,  // int32 [B]; when the call has none, the query buffer is bound and never read
   Sinks,     // float32 [Hq]; when the call has none, the partial-max region is bound and never read
   PartialO, PartialM, PartialL,  // regions of the one float32 scratch buffer
   Output, Lse,

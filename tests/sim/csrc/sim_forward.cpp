@@ -49,8 +49,8 @@ std::string set_kernel_family(const std::string& name) {
 
 std::vector<Visibility> visibility_of(const Prepared& in) {
   std::vector<int64_t> offsets;
-  if (in.p.has_offsets) {
-    const int32_t* raw = in.offsets.data_ptr<int32_t>();
+  if (in.p.has_mask_offset) {
+    const int32_t* raw = in.mask_offset.data_ptr<int32_t>();
     offsets.assign(raw, raw + in.p.B);
   }
   return visibility_from_offsets(in.p, offsets);

@@ -39,7 +39,7 @@ ModelledBytes modelled_main_reads(const Plan& plan, const std::vector<Visibility
   const uint64_t q_row_bytes = uint64_t(p.D) * plan.q_element_bytes;
   const uint64_t kv_row_bytes = uint64_t(p.D) * plan.kv_element_bytes;
   // Every thread reads its batch row's offset once.
-  if (p.has_offsets) bytes.offsets = threadgroups * main.threads[0] * sizeof(int32_t);
+  if (p.has_mask_offset) bytes.offsets = threadgroups * main.threads[0] * sizeof(int32_t);
   uint64_t staged_keys = 0;
   for (const Visibility& v : vis) {
     // A split loads its queries only if it has a key to look at.

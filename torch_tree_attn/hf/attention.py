@@ -95,7 +95,7 @@ transformers versions
 Supported: transformers 5.0 to 5.25 (tested: 5.0, 5.3, 5.4, 5.10, 5.13, 5.14, 5.17, 5.20,
 5.22, 5.24, 5.25). Their cache and mask APIs differ (``cache=`` or ``past_key_values=``,
 ``q_length`` / ``q_offset`` or ``cache_position``, where cache layers keep their length,
-when the causal skip is refused); :mod:`torch_tree_attn._hf_compat` detects and hides
+when the causal skip is refused); :mod:`torch_tree_attn.hf.compat` detects and hides
 each difference, :func:`tree_forward` passes the cache under whichever name the model's
 forward declares. Before 5.14 transformers refuses its causal skip for every forward into
 a ``StaticCache``; there the mask function tells such a forward from a mask with overlays
@@ -105,25 +105,17 @@ many keys as queries. For a tree that is a verify step at cache slot 0 on a slid
 layer whose window is shorter than the tree: its window is then counted in cache slots,
 as transformers' own masks count it (pass a 2D ``attention_mask`` to avoid that).
 """
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from . import _hf_compat as _compat
-from .ops import tree_attention
-from .tree import _mask_depths, _mask_offset_tensor, ancestor_mask
+from ..ops import tree_attention
+from ..tree.structure import _mask_depths, _mask_offset_tensor
+from . import compat as _compat
 
-__all__ = [
-    "register",
-    "tree_attention_forward",
-    "tree_attention_mask",
-    "tree_forward",
-    "verification_cache",
-    "compact_kv_cache",
-]
 
 def register(name: str = "tree_attn") -> None:
     """Register the tree-attention implementation under ``name`` with transformers.
@@ -182,7 +174,7 @@ def tree_attention_mask(
 
     For a causal mask (possibly with padding and a sliding window, without custom
     overlays: transformers signals those with ``allow_is_causal_skip``, see
-    :func:`torch_tree_attn._hf_compat.is_plain_causal_call` for the releases where that
+    :func:`torch_tree_attn.hf.compat.is_plain_causal_call` for the releases where that
     flag says more) returns a causal spec, int64 ``[batch_size, 1, 1, 2 + K]``, that
     :func:`tree_attention_forward` expands only as far as the layer needs. Otherwise
     (custom overlays, chunked or bidirectional masks, compiled single-token decoding into a
@@ -465,213 +457,3 @@ def _check_tree_mask(tree_mask, batch, q_len, device):
             f"tokens), got {tuple(tree_mask.shape)}"
         )
     return tree_mask.to(device=device, dtype=torch.bool)
-
-
-# --------------------------------------------------------------------------------------
-# Convenience
-# --------------------------------------------------------------------------------------
-
-
-def tree_forward(model, tokens, parents, mask_offset, cache, **model_kwargs):
-    """Verify draft trees in one forward of ``model`` (loaded with a registered tree_attn).
-
-    Args:
-        tokens: int64 ``[B, T]`` (or ``[T]``) tree tokens, node 0 the root.
-        parents: int64 ``[B, T]`` (or ``[T]``) parent indices, -1 for the root, parents
-            before children.
-        mask_offset: the prefix lengths: the cache slot where every row's tree is
-            written, i.e. the cache length (int, or int tensor ``[B]``; transformers'
-            caches need it equal in all rows).
-        cache: a transformers ``Cache`` (DynamicCache, StaticCache) holding the prefix.
-        model_kwargs: passed to the model. ``attention_mask`` may be a 2D padding mask
-            over ``[B, prefix]`` or ``[B, prefix + T]`` for left-padded rows; position ids
-            then count real tokens only.
-
-    Returns the model output; logits ``[B, T, V]``. The tree's K/V is written at cache
-    slots ``[prefix, prefix + T)``.
-    """
-    if tokens.dim() == 1:
-        tokens = tokens[None]
-    if parents.dim() == 1:
-        parents = parents[None].expand(tokens.shape[0], -1)
-    batch, q_len = tokens.shape
-    if parents.shape != tokens.shape:
-        raise ValueError(
-            f"tree_forward: parents shape {tuple(parents.shape)} must match tokens shape {tuple(tokens.shape)}"
-        )
-    device = tokens.device
-    prefix = _mask_offset_tensor(mask_offset, batch, device).expand(batch)
-    if cache is not None and not torch.compiler.is_compiling():
-        cached = int(cache.get_seq_length())
-        if bool((prefix != cached).any()):
-            raise ValueError(
-                f"tree_forward: mask_offset {prefix.tolist()} must equal the cache length {cached} in every row "
-                "(transformers' caches write all rows at the same slot; left-pad shorter rows and pass attention_mask)"
-            )
-
-    mask = ancestor_mask(parents.to(device))
-    depth = _mask_depths(mask)
-
-    real_prefix = prefix
-    attention_mask = model_kwargs.pop("attention_mask", None)
-    if attention_mask is not None:
-        # A padded batch: every row's tree sits at the same slot, its position counts the
-        # row's real tokens only.
-        width = attention_mask.shape[-1]
-        slot = int(prefix[0])
-        if attention_mask.dim() != 2 or width not in (slot, slot + q_len) or bool((prefix != slot).any()):
-            raise ValueError(
-                "tree_forward: attention_mask must be a 2D padding mask over [B, prefix] or [B, prefix + T] with "
-                f"one prefix length for all rows, got shape {tuple(attention_mask.shape)}, mask_offset "
-                f"{prefix.tolist()}, T={q_len}"
-            )
-        if width == slot:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, q_len)], dim=1)
-        real_prefix = attention_mask[:, :slot].to(torch.int64).sum(dim=1)
-        model_kwargs["attention_mask"] = attention_mask
-    model_kwargs.setdefault("position_ids", real_prefix[:, None] + depth)
-    model_kwargs.setdefault("use_cache", True)
-    model_kwargs.update(_compat.cache_kwargs(model, cache))
-    return model(input_ids=tokens, tree_mask=mask, mask_offset=prefix, **model_kwargs)
-
-
-# --------------------------------------------------------------------------------------
-# KV cache compaction (transformers 5.x caches)
-# --------------------------------------------------------------------------------------
-
-_COMPACTABLE_LAYERS = ("DynamicLayer", "StaticLayer", "DynamicSlidingWindowLayer", "StaticSlidingWindowLayer")
-
-
-def verification_cache(model, max_cache_len: Optional[int] = None):
-    """A transformers cache for a tree-verification loop on ``model``: a DynamicCache
-    (``max_cache_len=None``) or a StaticCache of ``max_cache_len`` positions whose
-    sliding-window layers are replaced by full-length ones (DynamicLayer / StaticLayer).
-
-    transformers' sliding cache layers drop the keys that left the window, so after a
-    verify step past the window the accepted path cannot be compacted
-    (:func:`compact_kv_cache`) or the step rolled back (``crop``), and the static one
-    keeps its length in a Python int that compiled graphs guard on (a recompile per cache
-    length). Full-length layers keep every position; tree_attn applies the window itself,
-    by tree position (see "Dense fallbacks"), as it does for eager and sdpa masks. Layers
-    that keep no KV of their own (Gemma 4's KV-shared layers) stay as they are. For a model
-    without sliding layers this is the ordinary cache.
-    """
-    from transformers import DynamicCache, StaticCache
-    from transformers.cache_utils import DynamicLayer, StaticLayer
-
-    if max_cache_len is None:
-        cache = DynamicCache(config=model.config)
-    else:
-        cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    for index, layer in enumerate(cache.layers):
-        if getattr(layer, "is_sliding", False):
-            cache.layers[index] = DynamicLayer() if max_cache_len is None else StaticLayer(max_cache_len=max_cache_len)
-    if isinstance(vars(cache).get("is_sliding"), list):  # a release that stores the flags instead of deriving them
-        cache.is_sliding = [getattr(layer, "is_sliding", False) for layer in cache.layers]
-    return cache
-
-
-def _layer_kind(layer) -> str:
-    # Exact class names: subclasses such as quantized or indexed layers keep more state
-    # than keys/values, which moving keys/values alone would corrupt.
-    kind = type(layer).__name__
-    if kind not in _COMPACTABLE_LAYERS:
-        raise TypeError(
-            f"compact_kv_cache supports {', '.join(_COMPACTABLE_LAYERS)} cache layers "
-            f"(sliding-window ones only before they slide), got a {kind} layer"
-        )
-    return kind
-
-
-def _compact_layer(layer, prefix_len: int, source: torch.Tensor, new_len: int) -> None:
-    keys, values = layer.keys, layer.values
-    n = source.shape[-1]
-    dst = slice(prefix_len, prefix_len + n)
-    for cache_tensor in (keys, values):
-        if source.dim() == 1:
-            moved = cache_tensor.index_select(2, source)
-        else:  # one path per batch row
-            B, H, _, D = cache_tensor.shape
-            moved = cache_tensor.gather(2, source[:, None, :, None].expand(B, H, n, D))
-        # `moved` is a copy, so overlapping source and destination slots are safe.
-        cache_tensor[:, :, dst].copy_(moved)
-    # Where the layer records its length depends on the transformers release; a static
-    # layer's is reset in place (fixed addresses under torch.compile).
-    _compat.set_layer_length(layer, new_len)
-
-
-def compact_kv_cache(cache, mask_offset: int, accepted: Union[torch.Tensor, Sequence[int]]) -> int:
-    """Keep only the accepted path of a verified tree in a transformers cache.
-
-    After a tree verify forward, tree node i's K/V sits at position ``mask_offset + i``.
-    This moves the K/V of node ``accepted[k]`` to position ``mask_offset + k`` in every
-    layer, in place on the cache's device, and sets the cache length to
-    ``mask_offset + len(accepted)``: a DynamicCache is cut there; a StaticCache keeps its
-    buffers and resets its length, so the next forward writes right after the path.
-
-    Args:
-        cache: a transformers 5.x ``DynamicCache`` or ``StaticCache`` (anything whose
-            ``layers`` are DynamicLayer / StaticLayer). Sliding-window layers work only
-            while nothing has slid out of their window.
-        mask_offset: number of committed tokens before the tree (the verify step's
-            ``mask_offset``), an int.
-        accepted: int64 ``[n]`` tree node indices (as from ``verify_greedy``), applied to
-            every batch row, or ``[B, n]`` with one path per row.
-
-    Returns:
-        The new cache length, ``mask_offset + n`` (the next step's ``mask_offset``).
-    """
-    if not hasattr(cache, "layers"):
-        raise TypeError(f"cache must be a transformers Cache with .layers, got {type(cache).__name__}")
-    if not isinstance(mask_offset, int) or isinstance(mask_offset, bool):
-        raise TypeError(f"mask_offset must be an int (the prefix length), got {type(mask_offset).__name__}")
-    _mask_offset_tensor(mask_offset, 1, "cpu")  # the one prefix-length validator: >= 0
-    prefix_len = mask_offset
-    if not isinstance(accepted, torch.Tensor):
-        accepted = torch.tensor(list(accepted), dtype=torch.int64)
-    if accepted.dtype not in (torch.int32, torch.int64) or accepted.dim() not in (1, 2) or accepted.shape[-1] == 0:
-        raise ValueError(
-            f"accepted must be a non-empty int tensor [n] or [B, n], got {accepted.dtype} {tuple(accepted.shape)}"
-        )
-    n = accepted.shape[-1]
-    new_len = prefix_len + n
-
-    # Layers that hold no KV of their own (transformers' DummyLayer: Gemma 4's KV-shared
-    # layers, attention-free layers) have nothing to move.
-    layers = [
-        layer for layer in cache.layers
-        if getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None
-    ]
-    if not layers:
-        raise ValueError("compact_kv_cache got a cache with no initialized layer (run the tree forward first)")
-    kinds = [_layer_kind(layer) for layer in layers]
-    for layer, kind in zip(layers, kinds):
-        if kind == "DynamicSlidingWindowLayer" and layer.keys.shape[-2] != _compat.layer_length(layer):
-            raise NotImplementedError(
-                f"a DynamicSlidingWindowLayer holding {layer.keys.shape[-2]} of {_compat.layer_length(layer)} "
-                "positions has already dropped keys; compaction needs them all"
-            )
-        if kind == "StaticSlidingWindowLayer" and _compat.layer_length(layer) > layer.max_cache_len:
-            raise NotImplementedError(
-                f"a StaticSlidingWindowLayer of window {layer.max_cache_len} has slid past "
-                f"({_compat.layer_length(layer)} positions written); compaction needs them all"
-            )
-        if accepted.dim() == 2 and accepted.shape[0] != layer.keys.shape[0]:
-            raise ValueError(f"accepted has {accepted.shape[0]} rows but the cache batch is {layer.keys.shape[0]}")
-    if not torch.compiler.is_compiling():
-        # All layers of one cache hold the same positions; one host read checks them.
-        length = _compat.layer_length(layers[0])
-        low, high = torch.stack([accepted.min(), accepted.max()]).tolist()
-        if low < 0 or prefix_len + high >= length:
-            raise ValueError(
-                f"accepted nodes must lie in the tree slots [0, {length - prefix_len}) after mask_offset="
-                f"{prefix_len} (cache length {length}), got min {low}, max {high}"
-            )
-
-    sources = {}
-    for layer in layers:
-        device = layer.keys.device
-        if device not in sources:
-            sources[device] = accepted.to(device=device, dtype=torch.int64) + prefix_len
-        _compact_layer(layer, prefix_len, sources[device], new_len)
-    return new_len

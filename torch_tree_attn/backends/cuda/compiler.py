@@ -1,13 +1,13 @@
 """One kernel variant of the CUDA backend, from its spec to a cubin (the Triton main and
-reduce kernels, and the Hopper Gluon main kernel of gluon_kernels.py): the build's prebuilt
+reduce kernels, and the Hopper Gluon main kernel of hopper_kernels.py): the build's prebuilt
 kernels (csrc/cuda/build_kernels.py) and the runtime's compile-once fallback
-(triton_backend.compile_for_launcher) both go through `compile_spec`, so a prebuilt kernel
+(torch_tree_attn.backends.cuda.compile_for_launcher) both go through `compile_spec`, so a prebuilt kernel
 and a fallback one of the same spec are the same binary with the same parameter list.
 
 A spec is a dict of ints whose keys are ``SPEC_FIELDS`` (csrc/cuda/kernel_registry.h's
 ``kSpecFields``, in the same order; a test holds them equal). The C++ launcher builds the
 spec of each launch, looks it up among the registered binaries, and on a miss asks this
-module (through the hook triton_backend installs) to compile it, once per process; Triton
+module (through the hook torch_tree_attn.backends.cuda installs) to compile it, once per process; Triton
 keeps the result in its on-disk cache too.
 
 Kernel parameters are the Triton kernel's non-constexpr arguments in order, then Triton's
@@ -116,9 +116,9 @@ def compile_spec(spec: Dict[str, int]):
     from triton.compiler import ASTSource
 
     if spec["kind"] == HOPPER:
-        from . import gluon_kernels
+        from . import hopper_kernels
 
-        return gluon_kernels.compile_variant(
+        return hopper_kernels.compile_variant(
             DTYPE_NAMES[spec["q_dtype"]], spec["head_dim"], bool(spec["mask_float"]), bool(spec["softcap"]),
             consumer_warps=spec["num_warps"], block_n=spec["block_n"], stages=spec["num_stages"], arch=spec["arch"],
             wide=bool(spec["wide"]), aligned=bool(spec["aligned"]))

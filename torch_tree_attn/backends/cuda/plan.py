@@ -3,7 +3,7 @@
 _C, for the tests and the tuning scripts. No triton import."""
 from typing import Optional
 
-from . import _C
+from ... import _C
 
 globals().update(_C.triton_constants())
 CONFIGS = _C.triton_table()

@@ -366,7 +366,7 @@ class Eagle3Draft(nn.Module):
         ``[mask_offset, cache.length + n)`` follow ``mask`` ([n, cache.length + n - mask_offset],
         True = attend). Uses the tree attention op, so no [n, S] mask is built.
         """
-        from .ops import tree_attention
+        from ..ops import tree_attention
 
         def attend(q, k, v):
             cache.append(k, v)

@@ -2,7 +2,7 @@
 async warpgroup MMAs with the next tile's Q.K^T in flight during this tile's softmax.
 
 Same contract and the same split/LSE semantics as the portable Triton main kernel
-(torch_tree_attn/triton_kernels.py, ``_tree_attn_main``): with one split it writes the final
+(torch_tree_attn/backends/cuda/triton_kernels.py, ``_tree_attn_main``): with one split it writes the final
 output and lse; with several it writes the (O, max, sum) partials in the Triton kernel's
 layout, which ``triton_kernels._tree_attn_reduce`` merges unchanged.
 
@@ -611,7 +611,7 @@ def choose_splits(S: int, M: int, programs: int, num_sms: int, block_n: int, per
     """(num_splits, window_units): the C++ plan's makespan model (csrc/cuda/triton_plan.cpp,
     through _C) in this kernel's units: prefix tiles of BLOCK_N keys, window tiles at
     WINDOW_COST prefix tiles each."""
-    from . import _C
+    from ... import _C
 
     window_units = int(math.ceil(-(-min(M, S) // block_n) * WINDOW_COST)) if M > 0 else 0
     tiles = -(-max(S - M, 0) // block_n)
@@ -638,7 +638,7 @@ def why_not(query, key, value, mask, mask_offset=None, scale=None, softcap=None,
     softcap, sinks, any GQA ratio and tree size; K/V whose base and strides TMA can address
     (16-byte multiples); 1 <= S < 2^31; B * Hkv <= 65535. Looks at metadata only (no device
     sync). require_gluon=False: the case's shape alone (the CPU model tests)."""
-    from . import _C
+    from ... import _C
 
     if require_gluon and not HAVE_GLUON:
         return "triton with Gluon's Hopper module is not importable"
@@ -648,24 +648,24 @@ def why_not(query, key, value, mask, mask_offset=None, scale=None, softcap=None,
 
 def covers(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None, *,
            require_gluon: bool = True) -> bool:
-    """Whether forward_with_lse_gluon handles these arguments (see why_not)."""
+    """Whether forward_with_lse_hopper handles these arguments (see why_not)."""
     return why_not(query, key, value, mask, mask_offset, scale, softcap, sinks, require_gluon=require_gluon) is None
 
 
-def forward_with_lse_gluon(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None,
+def forward_with_lse_hopper(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None,
                            num_splits: Optional[int] = None, config: Optional[Tuple[int, int, int]] = None
                            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The op's forward_with_lse through the Gluon main pass (and, when the keys are split,
     the Triton reduce kernel), on an sm_90 GPU. config = (CONSUMER_WARPS, BLOCK_N, STAGES).
     Raises NotImplementedError when covers() is False. Never syncs with the device."""
-    from . import _C
+    from ... import _C
     from .triton_kernels import _tree_attn_reduce
 
     reason = why_not(query, key, value, mask, mask_offset, scale, softcap, sinks)
     if reason is not None:
-        raise NotImplementedError(f"forward_with_lse_gluon does not cover this call: {reason}")
+        raise NotImplementedError(f"forward_with_lse_hopper does not cover this call: {reason}")
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device) != (9, 0):
-        raise NotImplementedError("forward_with_lse_gluon runs on sm_90 (Hopper) CUDA devices only")
+        raise NotImplementedError("forward_with_lse_hopper runs on sm_90 (Hopper) CUDA devices only")
     prepared = _C._prepare(query, key, value, mask, mask_offset, scale, softcap, sinks)
     pb = prepared.problem
     q, k, v, m = prepared.query, prepared.key, prepared.value, prepared.mask
@@ -698,7 +698,7 @@ def forward_with_lse_gluon(query, key, value, mask, mask_offset=None, scale=None
     def strides(t):
         return [0 if t.size(i) == 1 else t.stride(i) for i in range(3)]
 
-    off = prepared.offsets
+    off = prepared.mask_offset
     off_kind = 0 if off is None else (2 if off.dtype == torch.int64 else 1)
     # Pointer arguments keep one element type whatever the call (one compiled variant, the
     # AOT signature's): offsets as int32 words (the kernel reads int64 ones as such, by

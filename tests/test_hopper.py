@@ -1,4 +1,4 @@
-"""The Hopper Gluon main pass (torch_tree_attn/gluon_kernels.py) without a GPU.
+"""The Hopper Gluon main pass (torch_tree_attn/backends/cuda/hopper_kernels.py) without a GPU.
 
 - Compile check: every shipped variant compiles for sm_90a (Triton, no GPU needed) and
   ptxas -v reports 0 spill bytes for the D=128 and D=64 defaults (skipped where triton lacks
@@ -14,7 +14,7 @@
   tile order and split plan, the prefix/window softmax, the V fix-up in shared memory, the
   split partials and the reduce) against the float64 reference on every covered case of
   the parity matrix and the non-finite matrix, with 1 and several splits. The GPU run of
-  the kernel itself is tests/gpu_gluon_check.py.
+  the kernel itself is tests/gpu_hopper_check.py.
 """
 import importlib.util
 import math
@@ -30,7 +30,7 @@ import torch
 from tests.cases import (Case, args_of, check_against_reference, inject_nonfinite, make_inputs, nonfinite_cases,
                          parity_matrix)
 from torch_tree_attn import _C
-from torch_tree_attn import gluon_kernels as gk
+from torch_tree_attn.backends.cuda import hopper_kernels as hk
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -56,7 +56,7 @@ COMPILE_VARIANTS = [
 
 
 def _gluon_compiler_or_skip():
-    if not HAVE_TRITON or not gk.HAVE_GLUON:
+    if not HAVE_TRITON or not hk.HAVE_GLUON:
         pytest.skip("triton with Gluon's Hopper module is not installed")
     import triton
 
@@ -68,7 +68,7 @@ def test_compiles_for_sm90_without_spills(variant):
     triton = _gluon_compiler_or_skip()
     dtype, D, mask_float, softcap, cw, bn, st, no_spills = variant
     try:
-        k = gk.compile_variant(dtype, D, mask_float, softcap, consumer_warps=cw, block_n=bn, stages=st)
+        k = hk.compile_variant(dtype, D, mask_float, softcap, consumer_warps=cw, block_n=bn, stages=st)
     except Exception as e:  # noqa: BLE001
         if not triton.__version__.startswith("3.6"):
             pytest.skip(f"the kernel is written against triton 3.6's Gluon; {triton.__version__} failed: "
@@ -76,8 +76,8 @@ def test_compiles_for_sm90_without_spills(variant):
         raise
     ptx = k.asm["ptx"]
     assert ptx.count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor.4d" in ptx
-    assert "setmaxnreg.dec.sync.aligned.u32 \t%d;" % gk.PRODUCER_REGS in ptx or \
-        re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+%d;" % gk.PRODUCER_REGS, ptx), "producer registers"
+    assert "setmaxnreg.dec.sync.aligned.u32 \t%d;" % hk.PRODUCER_REGS in ptx or \
+        re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+%d;" % hk.PRODUCER_REGS, ptx), "producer registers"
     assert k.metadata.shared <= 227 * 1024
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -109,7 +109,7 @@ def test_compiles_for_sm90_without_spills(variant):
 # The tiling.
 
 def _tile_sets(off, S, M, num_splits, window_units, bn):
-    plans = [gk.program_tiles(off, S, M, s, num_splits, window_units, bn) for s in range(num_splits)]
+    plans = [hk.program_tiles(off, S, M, s, num_splits, window_units, bn) for s in range(num_splits)]
     return plans
 
 
@@ -148,8 +148,8 @@ def test_every_key_visited_once(seed):
 def test_split_balance():
     # The reference shape's plan: 16 programs per split at BLOCK_M = 128, 132 SMs.
     for P in (1024, 4096, 16384, 65536):
-        splits, wu = gk.choose_splits(P + 64, 64, 16, 132, 64)
-        assert 1 <= splits <= 64 and wu == math.ceil(gk.WINDOW_COST)
+        splits, wu = hk.choose_splits(P + 64, 64, 16, 132, 64)
+        assert 1 <= splits <= 64 and wu == math.ceil(hk.WINDOW_COST)
         plans = _tile_sets(P, P + 64, 64, splits, wu, 64)
         sizes = [t_hi - t_lo for t_lo, t_hi, *_ in plans]
         assert sum(sizes) == P // 64 + 1
@@ -212,7 +212,7 @@ def _simulate(n_tiles, stages, window, rng):
 
     def producer():
         for i in range(n_tiles):
-            slot, phase = gk.slot_phase(i, stages)
+            slot, phase = hk.slot_phase(i, stages)
             yield lambda: k_empty[slot].passed(phase ^ 1)
             k_ready[slot].expect(TILE)
             tma("k", slot, i)
@@ -228,7 +228,7 @@ def _simulate(n_tiles, stages, window, rng):
     def score(j):
         """_score_tile: a window tile waits for its V and fixes it in shared memory."""
         if window[j]:
-            slot, phase = gk.slot_phase(j, stages)
+            slot, phase = hk.slot_phase(j, stages)
             yield lambda: v_ready[slot].passed(phase)
             read("v", slot, j)
 
@@ -243,8 +243,8 @@ def _simulate(n_tiles, stages, window, rng):
         k_empty[0].arrive()
         yield from score(0)
         for i in range(n_tiles - 1):
-            cur, cur_phase = gk.slot_phase(i, stages)
-            nxt, nxt_phase = gk.slot_phase(i + 1, stages)
+            cur, cur_phase = hk.slot_phase(i, stages)
+            nxt, nxt_phase = hk.slot_phase(i + 1, stages)
             yield lambda: k_ready[nxt].passed(nxt_phase)
             readers[("k", nxt)] += 1          # S_{i+1} issued, reads K_{i+1}
             yield lambda: v_ready[cur].passed(cur_phase)
@@ -258,7 +258,7 @@ def _simulate(n_tiles, stages, window, rng):
             read("v", cur, i)                 # wait(0): P_i V_i done
             readers[("v", cur)] -= 1
             v_empty[cur].arrive()
-        cur, cur_phase = gk.slot_phase(n_tiles - 1, stages)
+        cur, cur_phase = hk.slot_phase(n_tiles - 1, stages)
         yield lambda: v_ready[cur].passed(cur_phase)
         readers[("v", cur)] += 1
         yield None
@@ -307,7 +307,7 @@ def test_pipeline_model(stages):
 # ---------------------------------------------------------------------------------------
 # The arithmetic: a float32 model of one program, then the reduce.
 
-LOG2E, LN2, BIG, FMAX = gk.LOG2E, gk.LN2, gk.BIG, gk.FLOAT32_MAX
+LOG2E, LN2, BIG, FMAX = hk.LOG2E, hk.LN2, hk.BIG, hk.FLOAT32_MAX
 NEG_INF = float("-inf")
 
 
@@ -405,8 +405,8 @@ def _program(pr, b, kvh, pid_m, split, num_splits, window_units, block_m, block_
     i = rr % T
     qb = q[b, h, i].float() * (-1.0 if pb.scale < 0 else 1.0)
     qb = torch.where(ok[:, None], qb, torch.zeros_like(qb))
-    off = 0 if pr.offsets is None else int(pr.offsets[b])
-    t_lo, t_hi, n_prefix, kend = gk.program_tiles(off, S, M, split, num_splits, window_units, block_n)
+    off = 0 if pr.mask_offset is None else int(pr.mask_offset[b])
+    t_lo, t_hi, n_prefix, kend = hk.program_tiles(off, S, M, split, num_splits, window_units, block_n)
     offc = min(max(off, 0), S)
     scale_abs = _f32(abs(pb.scale))
     c_pre = scale_abs * LOG2E
@@ -500,7 +500,7 @@ def model_forward_with_lse(inputs, num_splits=1, window_units=None, block_m=128,
     out = torch.zeros(total, pb.D)
     lse = torch.zeros(total)
     if window_units is None:
-        window_units = int(math.ceil(-(-pb.M // block_n) * gk.WINDOW_COST)) if pb.M else 0
+        window_units = int(math.ceil(-(-pb.M // block_n) * hk.WINDOW_COST)) if pb.M else 0
     po = torch.zeros(num_splits, total, pb.D)
     pm = torch.full((num_splits, total), NEG_INF)
     pl = torch.zeros(num_splits, total)
@@ -549,26 +549,26 @@ def model_forward_with_lse(inputs, num_splits=1, window_units=None, block_m=128,
 
 
 def _covered_cases():
-    return [c for c in parity_matrix() if gk.covers(*args_of(make_inputs(c)), require_gluon=False)]
+    return [c for c in parity_matrix() if hk.covers(*args_of(make_inputs(c)), require_gluon=False)]
 
 
 def test_covers():
     inputs = make_inputs(Case(D=128, dtype=torch.bfloat16))
-    assert gk.covers(*args_of(inputs)) == gk.HAVE_GLUON
-    assert gk.covers(*args_of(inputs), require_gluon=False)
+    assert hk.covers(*args_of(inputs)) == hk.HAVE_GLUON
+    assert hk.covers(*args_of(inputs), require_gluon=False)
     for case in (Case(D=128, dtype=torch.float32), Case(D=96, dtype=torch.bfloat16), Case(D=256, dtype=torch.float16),
                  Case(D=128, dtype=torch.float32, kv_dtype=torch.bfloat16)):
-        assert not gk.covers(*args_of(make_inputs(case)), require_gluon=False)
+        assert not hk.covers(*args_of(make_inputs(case)), require_gluon=False)
     q, mask = inputs["query"], inputs["mask"]
     # K/V strides that are 16-byte multiples (row stride 136 elements): TMA addresses them.
     k = torch.zeros(1, 2, 40, 136, dtype=torch.bfloat16)[..., :128]
-    assert k.stride(2) == 136 and gk.covers(q, k, k, mask, require_gluon=False)
+    assert k.stride(2) == 136 and hk.covers(q, k, k, mask, require_gluon=False)
     # A row stride of 132 elements (264 bytes) is not: not covered (the Triton path runs it).
     k = torch.zeros(1, 2, 40, 132, dtype=torch.bfloat16)[..., :128]
-    assert "stride" in gk.why_not(q, k, k, mask, require_gluon=False)
+    assert "stride" in hk.why_not(q, k, k, mask, require_gluon=False)
     # [B, S, Hkv, D] storage seen as [B, Hkv, S, D] (strides D and Hkv * D): covered.
     k = torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert gk.covers(q, k, k, mask, require_gluon=False)
+    assert hk.covers(q, k, k, mask, require_gluon=False)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -604,7 +604,7 @@ def test_model_small_tiles_and_long_prefix():
 def test_model_nonfinite():
     checked = 0
     for case, kind in nonfinite_cases():
-        if case.dtype not in gk.DTYPES or case.D not in gk.HEAD_DIMS:
+        if case.dtype not in hk.DTYPES or case.D not in hk.HEAD_DIMS:
             continue
         inputs = make_inputs(case)
         if not inject_nonfinite(inputs, kind, case.seed):

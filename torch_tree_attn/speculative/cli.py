@@ -1,6 +1,6 @@
 """EAGLE-3 speculative decoding with tree attention, end to end: a command line over
 :mod:`torch_tree_attn.speculative`, run as ``examples/eagle3_verify.py`` (or
-``python -m torch_tree_attn.eagle3_cli``). It lives in the package so that its pieces
+``python -m torch_tree_attn.speculative.cli``). It lives in the package so that its pieces
 (parse_args, plain_greedy, main, ...) are importable by the tests and by other code.
 
 Each round (``torch_tree_attn.speculative.generate`` does them): the EAGLE-3 draft grows a
@@ -33,7 +33,7 @@ Exit status: 0 on success; 2 for a bad flag (argparse's usage error); 1 when the
 or a model is the problem (device unavailable, checkpoint missing or unloadable) or --check
 fails. Every failure is reported as one line, never a traceback.
 
-The built-in models are read from ``torch_tree_attn.builtin.assets_dir()``: the checkout's
+The built-in models are read from ``torch_tree_attn.speculative.builtin.assets_dir()``: the checkout's
 examples/assets, or $TORCH_TREE_ATTN_ASSETS.
 """
 import time
@@ -52,7 +52,8 @@ from typing import Callable, List, NoReturn, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-from . import builtin, hf, speculative  # noqa: E402
+from .. import hf, speculative  # noqa: E402
+from . import builtin  # noqa: E402
 from .eagle3 import load_eagle3_draft  # noqa: E402
 
 PROG = "eagle3_verify.py"
@@ -78,7 +79,7 @@ class Run:
 def _runtime_compiles() -> Optional[int]:
     """How many CUDA kernels this process has compiled at run time (no prebuilt one fitted), or
     None without the CUDA backend."""
-    from . import _C
+    from .. import _C
 
     stats = getattr(_C, "cuda_registry_stats", None)
     return stats()["compiled"] if stats is not None else None

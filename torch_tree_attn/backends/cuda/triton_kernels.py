@@ -2,7 +2,7 @@
 
 Compiled three ways, from this one source: ahead of time at build time for the prebuilt
 table (csrc/cuda/build_kernels.py), once per process for a variant outside that table
-(triton_backend.compile_for_launcher), and under TRITON_INTERPRET=1 on CPU tensors (tests).
+(torch_tree_attn.backends.cuda.compile_for_launcher), and under TRITON_INTERPRET=1 on CPU tensors (tests).
 Every compiled form is launched from C++ (csrc/cuda/), except the interpreter's.
 
 Which choices are compile-time: what changes the loops (tile sizes, head dim, dtypes, mask

@@ -5,7 +5,7 @@ The CUDA op itself is C++ (csrc/cuda/): prepare, plan, kernel lookup and cuLaunc
 the current stream, with no Python per call. What this module adds:
 
 - ``register()`` (called when the package is imported): registers the prebuilt cubins of
-  ``torch_tree_attn/kernels/manifest.json`` (built by setup.py, csrc/cuda/build_kernels.py)
+  ``torch_tree_attn/backends/cuda/kernels/manifest.json`` (built by setup.py, csrc/cuda/build_kernels.py)
   with the C++ registry, which loads each at its first use, and installs the run-time
   compiler for a kernel spec the table lacks (another GPU architecture, a float32 query, an
   unaligned or 64-bit-strided call...): ``compile_for_launcher``, which Triton compiles
@@ -23,12 +23,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _C
+from ... import _C
 
 KERNELS_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 MANIFEST = KERNELS_DIR / "manifest.json"
 # The main kernel a process uses unless TORCH_TREE_ATTN_CUDA_KERNEL says otherwise: "auto",
-# the Hopper kernel (gluon_kernels.py) on sm_90 for the calls it covers, else the portable
+# the Hopper kernel (hopper_kernels.py) on sm_90 for the calls it covers, else the portable
 # Triton kernel.
 DEFAULT_KERNEL = "auto"
 INTERPRETER_SMS = 4   # a small pretend GPU under the interpreter: long key ranges split
@@ -41,9 +41,9 @@ def compile_for_launcher(spec: dict) -> tuple:
     except ImportError as e:
         raise RuntimeError(f"tree_attn: no prebuilt CUDA kernel fits this call ({spec}) and triton, which would "
                            f"compile one, is not importable: {e}. pip install 'triton>=3.6'.") from e
-    from . import triton_compile
+    from . import compiler
 
-    b = triton_compile.binary_of(triton_compile.compile_spec(spec))
+    b = compiler.binary_of(compiler.compile_spec(spec))
     return b.cubin, b.function, b.shared, b.num_warps, b.scratch_args, list(b.tma)
 
 
@@ -130,7 +130,7 @@ def _interpret(query, key, value, mask, mask_offset, scale, softcap, sinks, num_
 
     R, total_rows = pb.G * pb.T, pb.B * pb.Hq * pb.T
     dummy = out
-    off = prepared.offsets
+    off = prepared.mask_offset
     off_kind = 0 if off is None else (2 if off.dtype == torch.int64 else 1)
     split = plan.num_splits > 1
     if split:
@@ -173,10 +173,10 @@ def forward_with_lse(query, key, value, mask, mask_offset=None, scale=None, soft
                                         num_splits=num_splits, config=list(config) if config is not None else None,
                                         kernel=kernel)
     if kernel == "hopper":
-        raise ValueError("triton_backend.forward_with_lse: the Hopper kernel runs on sm_90 GPUs only, not under "
+        raise ValueError("torch_tree_attn.backends.cuda.forward_with_lse: the Hopper kernel runs on sm_90 GPUs only, not under "
                          "the interpreter")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise RuntimeError("triton_backend.forward_with_lse: CPU tensors run only under TRITON_INTERPRET=1 "
+        raise RuntimeError("torch_tree_attn.backends.cuda.forward_with_lse: CPU tensors run only under TRITON_INTERPRET=1 "
                            f"(set before triton is imported); got query on {query.device}")
     return _interpret(query, key, value, mask, mask_offset, scale, softcap, sinks, num_splits, config)
 

@@ -1,8 +1,8 @@
-"""GPU check of the Hopper Gluon main pass (torch_tree_attn/gluon_kernels.py): correctness
+"""GPU check of the Hopper Gluon main pass (torch_tree_attn/backends/cuda/hopper_kernels.py): correctness
 against the float64 reference, then its time against the Triton path, under CUDA graphs.
 
-    python tests/gpu_gluon_check.py            # all phases, at most 5 minutes (each phase has a limit)
-    python tests/gpu_gluon_check.py --phase smoke|parity|bench
+    python tests/gpu_hopper_check.py            # all phases, at most 5 minutes (each phase has a limit)
+    python tests/gpu_hopper_check.py --phase smoke|parity|bench
 
 Needs an sm_90 GPU, triton 3.6 (Gluon), and the package installed (its _C extension and
 prebuilt Triton kernels). Each phase runs in a child process with a time limit, so a hung
@@ -12,13 +12,13 @@ runs; inside a phase every case catches its own exception.
 Phases:
 - smoke: two tiny calls (one split, two splits) against the reference, through the C++
   launcher (kernel="hopper": prebuilt cubin, tensor maps encoded in C++) and through
-  gluon_kernels' Python launcher.
+  hopper_kernels' Python launcher.
 - parity: every case of tests/cases.py's parity matrix that covers() accepts, with the
   plan's splits and with 3 forced splits; the non-finite matrix; long prefixes with many
   splits; the 4-consumer-warp variant and 3 stages on a subset.
 - bench: B=1, Hq=32, Hkv=8, D=128, a random 64-node tree after P = 1024 / 4096 / 16384 /
   65536 keys, bf16: the Gluon kernel (default config (8 consumer warps, 64-key tiles, 3 stages), and 2 / 4 stages, 4 consumer warps) and the Triton path
-  (torch_tree_attn.triton_backend.forward_with_lse, the C++ launcher), each captured in a
+  (torch_tree_attn.backends.cuda.forward_with_lse, the C++ launcher), each captured in a
   CUDA graph, median of replays; prints us and the ratio, and each output's max difference
   from the Triton path's.
 """
@@ -45,20 +45,20 @@ def _to(inputs, device):
 
 def _check(case, num_splits=None, config=None, inject=None, python_launcher=False):
     """One case against the reference: through the C++ launcher (kernel="hopper", the
-    prebuilt cubins) by default, through gluon_kernels' Python launcher for a config or when
+    prebuilt cubins) by default, through hopper_kernels' Python launcher for a config or when
     asked."""
     from tests.cases import args_of, check_against_reference, inject_nonfinite, make_inputs
-    from torch_tree_attn import gluon_kernels as gk
-    from torch_tree_attn import triton_backend
+    from torch_tree_attn.backends.cuda import hopper_kernels as hk
+    from torch_tree_attn.backends import cuda as cuda_backend
 
     inputs = make_inputs(case)
     if inject is not None and not inject_nonfinite(inputs, inject, case.seed):
         return None
     cuda = _to(inputs, "cuda")
     if config is None and not python_launcher:
-        out, lse = triton_backend.forward_with_lse(*args_of(cuda), num_splits=num_splits, kernel="hopper")
+        out, lse = cuda_backend.forward_with_lse(*args_of(cuda), num_splits=num_splits, kernel="hopper")
     else:
-        out, lse = gk.forward_with_lse_gluon(*args_of(cuda), num_splits=num_splits, config=config)
+        out, lse = hk.forward_with_lse_hopper(*args_of(cuda), num_splits=num_splits, config=config)
     check_against_reference(out.cpu(), lse.cpu(), inputs)
     return True
 
@@ -112,9 +112,9 @@ def phase_smoke():
 def phase_parity():
     import torch
     from tests.cases import Case, args_of, make_inputs, nonfinite_cases, parity_matrix
-    from torch_tree_attn import gluon_kernels as gk
+    from torch_tree_attn.backends.cuda import hopper_kernels as hk
 
-    cases = [c for c in parity_matrix() if gk.covers(*args_of(make_inputs(c)))]
+    cases = [c for c in parity_matrix() if hk.covers(*args_of(make_inputs(c)))]
     print(f"{len(cases)} covered parity cases", flush=True)
     t = Tally("parity, plan's splits")
     for c in cases:
@@ -126,7 +126,7 @@ def phase_parity():
     t.report()
     t = Tally("non-finite")
     for c, kind in nonfinite_cases():
-        if c.dtype in gk.DTYPES and c.D in gk.HEAD_DIMS:
+        if c.dtype in hk.DTYPES and c.D in hk.HEAD_DIMS:
             t.run(f"{kind} {c}", lambda c=c, kind=kind: _check(c, num_splits=None, inject=kind))
             t.run(f"{kind} {c} 4 splits", lambda c=c, kind=kind: _check(c, num_splits=4, inject=kind))
     t.report()
@@ -150,8 +150,8 @@ def phase_parity():
 def phase_bench():
     import torch
     from tests.cases import random_tree_mask
-    from torch_tree_attn import gluon_kernels as gk
-    from torch_tree_attn import triton_backend
+    from torch_tree_attn.backends.cuda import hopper_kernels as hk
+    from torch_tree_attn.backends import cuda as cuda_backend
 
     B, Hq, Hkv, T = 1, 32, 8, 64
 
@@ -183,11 +183,11 @@ def phase_bench():
             samples.append(start.elapsed_time(end) * 1e3 / iters)
         return statistics.median(samples)
 
-    # Other configurations beside the table's (gluon_kernels.DEFAULT_CONFIG), per head dim.
+    # Other configurations beside the table's (hopper_kernels.DEFAULT_CONFIG), per head dim.
     others = {128: [(8, 64, 3), (8, 64, 4), (4, 64, 3), (4, 64, 4)], 64: [(8, 64, 4), (4, 64, 2), (4, 64, 4)]}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"bench: B={B}, Hq={Hq}, Hkv={Hkv}, T={T} random tree, bf16, CUDA graphs, device "
-          f"{torch.cuda.get_device_name()}; table config (consumer warps, BLOCK_N, stages) = {gk.DEFAULT_CONFIG}",
+          f"{torch.cuda.get_device_name()}; table config (consumer warps, BLOCK_N, stages) = {hk.DEFAULT_CONFIG}",
           flush=True)
     print(f"{'D':>4} {'P':>6} {'triton us':>10} {'gluon us':>10} {'tri/glu':>7}  others (config: us)   "
           f"max|gluon - triton|", flush=True)
@@ -201,16 +201,16 @@ def phase_bench():
             mask = random_tree_mask(T, gen)[None].cuda()
             off = torch.tensor([P], device="cuda")
             args = (q, k, v, mask, off, None, None, None)
-            g_tri, (o_tri, l_tri) = graphed(lambda: triton_backend.forward_with_lse(*args, kernel="triton"))
+            g_tri, (o_tri, l_tri) = graphed(lambda: cuda_backend.forward_with_lse(*args, kernel="triton"))
             t_tri = time_us(g_tri)
             results = {}
             diffs = {}
             for name, cfg in [("default", None), ("python", "python")] + [(str(c), c) for c in others[D]]:
                 try:
                     if cfg is None:   # the C++ launcher, as users get it
-                        g, (o, l) = graphed(lambda: triton_backend.forward_with_lse(*args, kernel="hopper"))
+                        g, (o, l) = graphed(lambda: cuda_backend.forward_with_lse(*args, kernel="hopper"))
                     else:
-                        g, (o, l) = graphed(lambda cfg=cfg: gk.forward_with_lse_gluon(
+                        g, (o, l) = graphed(lambda cfg=cfg: hk.forward_with_lse_hopper(
                             *args, config=None if cfg == "python" else cfg))
                     results[name] = time_us(g)
                     diffs[name] = (o.float() - o_tri.float()).abs().max().item()
@@ -226,13 +226,13 @@ def phase_bench():
             print(f"{D:>4} {P:>6} {t_tri:>10.1f} {t_g:>10.1f} {t_tri / t_g:>6.2f}x  {listed:<34} "
                   f"{max(diffs.values()) if diffs else float('nan'):.3g}", flush=True)
             # The plan's split count, and a small sweep around it (the table's config).
-            cw = gk.DEFAULT_CONFIG[D][0]
+            cw = hk.DEFAULT_CONFIG[D][0]
             R = (Hq // Hkv) * T
-            splits, wu = gk.choose_splits(S, T, -(-R // (16 * cw)) * B * Hkv, num_sms, 64, per_sm=2 if cw == 4 else 1)
+            splits, wu = hk.choose_splits(S, T, -(-R // (16 * cw)) * B * Hkv, num_sms, 64, per_sm=2 if cw == 4 else 1)
             sweep = []
             for s in sorted({max(1, splits // 2), splits, splits * 2}):
                 try:
-                    g, _ = graphed(lambda s=s: triton_backend.forward_with_lse(*args, num_splits=s, kernel="hopper"))
+                    g, _ = graphed(lambda s=s: cuda_backend.forward_with_lse(*args, num_splits=s, kernel="hopper"))
                     sweep.append(f"s={s}: {time_us(g, iters=20, repeats=5):.1f}")
                     del g
                 except Exception as e:  # noqa: BLE001

@@ -34,7 +34,7 @@ ASSET_FILES = (TARGET_CONFIG, TARGET_WEIGHTS, DRAFT_CONFIG, DRAFT_WEIGHTS)
 def checkout_assets_dir() -> str:
     """``examples/assets`` of the checkout this package lies in (it need not exist: an
     installed package has no checkout beside it)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # torch_tree_attn/
     return os.path.join(os.path.dirname(package), "examples", "assets")
 
 
