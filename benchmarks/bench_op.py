@@ -229,6 +229,7 @@ def cascade_method(x):
     P, Bx, Tx = x["P"], x["B"], x["T"]
     G = HQ // HKV
     q, k, v = x["q"], x["k"], x["v"]
+    D = q.shape[-1]   # the row's head dim (the D=64/256/512 rows too)
     q_fold = q.view(Bx, HKV, G * Tx, D)
     kp, vp = k[:, :, :P], v[:, :, :P]
     kt = k[:, :, P:P + Tx].repeat_interleave(G, dim=1)
