@@ -389,6 +389,32 @@ def check_clamped_offsets(run, offset_dtype: torch.dtype) -> None:
     torch.testing.assert_close(lse[1:].double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
+def check_empty_problem(device: str) -> None:
+    """A GPU backend (CUDA, MPS) answers a query of no rows with empty outputs on its device."""
+    q = torch.randn(1, 4, 0, 64, device=device)
+    kv = torch.randn(1, 2, 10, 64, device=device)
+    mask = torch.ones(1, 0, 3, dtype=torch.bool, device=device)
+    out, lse = torch.ops.tree_attn.forward_with_lse(q, kv, kv, mask, None, None, None)
+    assert out.shape == (1, 4, 0, 64) and lse.shape == (1, 4, 0) and out.device.type == device
+
+
+def check_validation_errors(device: str):
+    """The errors a GPU backend (CUDA, MPS) raises for arguments the op refuses on every
+    device, each naming the argument; returns (q, kv, mask) on the device (q: 1x4x5x64, kv:
+    1x2x10x64, mask: 1x5x5 bool) for the backend's own checks."""
+    import pytest  # (this module serves scripts without pytest too: tests/gpu_hopper_check.py)
+
+    q = torch.randn(1, 4, 5, 64, device=device)
+    kv = torch.randn(1, 2, 10, 64, device=device)
+    mask = torch.ones(1, 5, 5, dtype=torch.bool, device=device)
+    forward = torch.ops.tree_attn.forward
+    with pytest.raises(ValueError, match="mask_offset must be on the query's device"):
+        forward(q, kv, kv, mask, torch.tensor([0]), None, None)
+    with pytest.raises(ValueError, match="head dim"):
+        forward(q[..., :32], kv[..., :32], kv[..., :32], mask, None, None, None)
+    return q, kv, mask
+
+
 def check_nonfinite_case(case: Case, kind: str, run) -> None:
     """One `nonfinite_cases()` pair through a backend: `run(inputs) -> (out, lse)` must put
     NaN exactly in the rows the reference poisons, and the injection must be meaningful."""

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_softcap_at_any_cap, extreme_finite_checks,
-                         args_of, check_against_reference, make_inputs, random_tree_mask)
+from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_empty_problem, check_softcap_at_any_cap,
+                         check_validation_errors, extreme_finite_checks, args_of, check_against_reference, make_inputs,
+                         random_tree_mask)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
@@ -379,13 +380,7 @@ def test_opcheck(case):
 
 
 def test_validation_errors_name_the_argument():
-    q = torch.randn(1, 4, 5, 64, device="cuda")
-    kv = torch.randn(1, 2, 10, 64, device="cuda")
-    mask = torch.ones(1, 5, 5, dtype=torch.bool, device="cuda")
-    with pytest.raises(ValueError, match="mask_offset must be on the query's device"):
-        ops.forward(q, kv, kv, mask, torch.tensor([0]), None, None)
-    with pytest.raises(ValueError, match="head dim"):
-        ops.forward(q[..., :32], kv[..., :32], kv[..., :32], mask, None, None, None)
+    q, kv, mask = check_validation_errors("cuda")
     with pytest.raises(TypeError, match="dtypes"):
         ops.forward(q.half(), kv, kv, mask, None, None, None)  # (f32 over half K/V is legal)
     with pytest.raises(ValueError, match="sinks must be on the query's device"):
@@ -393,10 +388,7 @@ def test_validation_errors_name_the_argument():
 
 
 def test_empty_problem():
-    q = torch.randn(1, 4, 0, 64, device="cuda")
-    kv = torch.randn(1, 2, 10, 64, device="cuda")
-    out, lse = ops.forward_with_lse(q, kv, kv, torch.ones(1, 0, 3, dtype=torch.bool, device="cuda"), None, None, None)
-    assert out.shape == (1, 4, 0, 64) and lse.shape == (1, 4, 0) and out.is_cuda
+    check_empty_problem("cuda")
 
 
 @pytest.mark.parametrize("op_name", ["forward", "forward_with_lse"])

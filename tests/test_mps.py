@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import args_of, Case, check_clamped_offsets, check_against_reference, make_inputs
+from tests.cases import (args_of, Case, check_clamped_offsets, check_against_reference, check_empty_problem,
+                         check_validation_errors, make_inputs)
 from torch_tree_attn.reference import tree_attention_reference
 
 pytestmark = pytest.mark.skipif(
@@ -133,21 +134,11 @@ def test_public_api_on_mps():
 
 
 def test_empty_problem():
-    q = torch.randn(1, 4, 0, 64, device="mps")
-    kv = torch.randn(1, 2, 10, 64, device="mps")
-    mask = torch.ones(1, 0, 3, dtype=torch.bool, device="mps")
-    out, lse = ops.forward_with_lse(q, kv, kv, mask, None, None, None)
-    assert out.shape == (1, 4, 0, 64) and lse.shape == (1, 4, 0) and out.device.type == "mps"
+    check_empty_problem("mps")
 
 
 def test_validation_errors_name_the_argument():
-    q = torch.randn(1, 4, 5, 64, device="mps")
-    kv = torch.randn(1, 2, 10, 64, device="mps")
-    mask = torch.ones(1, 5, 5, dtype=torch.bool, device="mps")
-    with pytest.raises(ValueError, match="mask_offset must be on the query's device"):
-        ops.forward(q, kv, kv, mask, torch.tensor([0]), None, None)
-    with pytest.raises(ValueError, match="head dim"):
-        ops.forward(q[..., :32], kv[..., :32], kv[..., :32], mask, None, None, None)
+    q, kv, mask = check_validation_errors("mps")
     with pytest.raises(TypeError, match="share one dtype"):
         ops.forward(q, kv.half(), kv.half(), mask, None, None, None)
 
