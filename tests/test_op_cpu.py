@@ -41,6 +41,19 @@ def num_threads(n):
         torch.set_num_threads(before)
 
 
+def random_qkv(gen, B, Hq, Hkv, T, S, D):
+    """Float32 query [B, Hq, T, D], then key and value [B, Hkv, S, D], drawn from gen."""
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    return q, k, v
+
+
+def mask_of_kind(visible, mask_kind):
+    """The bool mask `visible` ("bool"), or its float form ("float": 0 where visible, -inf elsewhere)."""
+    return visible if mask_kind == "bool" else torch.zeros(visible.shape).masked_fill(~visible, -math.inf)
+
+
 # ---------------------------------------------------------------------------------------
 # Property tests: random shapes, strides, masks and offsets against the reference.
 
@@ -175,9 +188,7 @@ def test_dense_causal_mask_over_long_cache(threads):
     # row 0 sees no key at all in any split.
     gen = torch.Generator().manual_seed(3)
     B, Hq, Hkv, T, S, D = 1, 4, 2, 6, 1500, 64
-    q = torch.randn(B, Hq, T, D, generator=gen)
-    k = torch.randn(B, Hkv, S, D, generator=gen)
-    v = torch.randn(B, Hkv, S, D, generator=gen)
+    q, k, v = random_qkv(gen, B, Hq, Hkv, T, S, D)
     ends = torch.tensor([0, 300, 700, 1100, 1499, 1500])
     mask = (torch.arange(S)[None, :] < ends[:, None])[None]
     inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=None, scale=None, softcap=None)
@@ -193,14 +204,12 @@ def test_fully_masked_key_blocks_are_not_read(mask_kind):
     # NaN there must not reach the result.
     gen = torch.Generator().manual_seed(5)
     B, Hq, Hkv, T, S, D = 1, 2, 1, 3, 4096, 128
-    q = torch.randn(B, Hq, T, D, generator=gen)
-    k = torch.randn(B, Hkv, S, D, generator=gen)
-    v = torch.randn(B, Hkv, S, D, generator=gen)
+    q, k, v = random_qkv(gen, B, Hq, Hkv, T, S, D)
     visible = torch.ones(B, T, S, dtype=torch.bool)
     visible[..., 600:3600] = False
     k[:, :, 1024:3072] = NAN
     v[:, :, 1024:3072] = NAN
-    mask = visible if mask_kind == "bool" else torch.zeros(visible.shape).masked_fill(~visible, -math.inf)
+    mask = mask_of_kind(visible, mask_kind)
     inputs = dict(query=q, key=k, value=v, mask=mask, mask_offset=None, scale=None, softcap=None)
     out, lse = ops.forward_with_lse(**inputs)
     check_against_reference(out, lse, inputs)
@@ -221,13 +230,11 @@ def test_unused_slots_do_not_change_the_result(dtype):
 def test_rows_that_see_no_key_give_zero_and_neg_inf(mask_kind):
     gen = torch.Generator().manual_seed(7)
     B, Hq, Hkv, T, S, D = 2, 4, 2, 5, 20, 96
-    q = torch.randn(B, Hq, T, D, generator=gen)
-    k = torch.randn(B, Hkv, S, D, generator=gen)
-    v = torch.randn(B, Hkv, S, D, generator=gen)
+    q, k, v = random_qkv(gen, B, Hq, Hkv, T, S, D)
     visible = torch.rand(B, Hq, T, S, generator=gen) < 0.5
     visible[0, :, 1] = False  # one row of every head of batch row 0
     visible[1] = False  # every row of batch row 1
-    mask = visible if mask_kind == "bool" else torch.zeros(visible.shape).masked_fill(~visible, -math.inf)
+    mask = mask_of_kind(visible, mask_kind)
     out, lse = ops.forward_with_lse(q, k, v, mask)
     assert torch.equal(out[0, :, 1], torch.zeros(Hq, D)) and torch.isneginf(lse[0, :, 1]).all()
     assert torch.equal(out[1], torch.zeros(Hq, T, D)) and torch.isneginf(lse[1]).all()
