@@ -1148,25 +1148,28 @@ def _fail_chunk(stream, indices, failures):
                 f"FUZZ_SEED={BASE_SEED}) break the contract:\n\n{shown}{more}", pytrace=False)
 
 
+def _check_chunk(stream: str, n: int, chunks: int, chunk: int) -> None:
+    """Run the `chunk`-th of `chunks` slices of the stream's first n cases; fail with a report
+    of those that break the contract."""
+    indices = _chunk(n, chunks, chunk)
+    failures = run_range(stream, indices)
+    if failures:
+        _fail_chunk(stream, indices, failures)
+
+
 # =======================================================================================
 # pytest entry points
 # =======================================================================================
 
 @pytest.mark.parametrize("chunk", range(CPU_CHUNKS))
 def test_cpu_op_against_reference(chunk):
-    indices = _chunk(N_CPU, CPU_CHUNKS, chunk)
-    failures = run_range("cpu", indices)
-    if failures:
-        _fail_chunk("cpu", indices, failures)
+    _check_chunk("cpu", N_CPU, CPU_CHUNKS, chunk)
 
 
 @pytest.mark.skipif(not HAVE_SIM, reason="torch_tree_attn_sim not built (pip install ./tests/sim)")
 @pytest.mark.parametrize("chunk", range(SIM_CHUNKS))
 def test_metal_simulator_against_reference(chunk):
-    indices = _chunk(N_SIM, SIM_CHUNKS, chunk)
-    failures = run_range("sim", indices)
-    if failures:
-        _fail_chunk("sim", indices, failures)
+    _check_chunk("sim", N_SIM, SIM_CHUNKS, chunk)
 
 
 HAVE_CUDA = torch.cuda.is_available()
