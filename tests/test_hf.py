@@ -602,6 +602,22 @@ def test_tree_mode_intersects_a_user_dense_mask():
     assert not torch.allclose(results["with user mask"][1], results["tree only"][1], atol=1e-3)
 
 
+def spy_on_compact_calls(monkeypatch, record, dense_error):
+    """Every call of the op through transformers first passes (key, mask, mask_offset, sinks)
+    to `record`, then runs; building a dense SDPA mask raises AssertionError(dense_error)."""
+    hf_tree_attention = hf_attention.tree_attention
+
+    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
+        record(key, mask, mask_offset, sinks)
+        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap, sinks)
+
+    def no_dense_masks(*args, **kwargs):
+        raise AssertionError(dense_error)
+
+    monkeypatch.setattr(hf_attention, "tree_attention", spy)
+    monkeypatch.setattr(masking_utils, "sdpa_mask", no_dense_masks)
+
+
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma4", "gpt_oss"])
 def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeypatch):
@@ -618,17 +634,11 @@ def test_compact_tree_mode_builds_no_query_by_key_mask(kind, cache_kind, monkeyp
 
     calls, sinks_seen = [], []
 
-    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
+    def record(key, mask, mask_offset, sinks):
         calls.append((tuple(key.shape), tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
         sinks_seen.append(None if sinks is None else tuple(sinks.shape))
-        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap, sinks)
 
-    def no_dense_masks(*args, **kwargs):
-        raise AssertionError("a dense mask was built in compact tree mode")
-
-    hf_tree_attention = hf_attention.tree_attention
-    monkeypatch.setattr(hf_attention, "tree_attention", spy)
-    monkeypatch.setattr(masking_utils, "sdpa_mask", no_dense_masks)
+    spy_on_compact_calls(monkeypatch, record, "a dense mask was built in compact tree mode")
     with torch.no_grad():
         hf.tree_forward(model, tokens, parents, slot, cache)
     assert len(calls) == model.config.num_hidden_layers
@@ -648,16 +658,10 @@ def test_ordinary_decoding_without_padding_uses_compact_causal_masks(monkeypatch
     prompt, _ = prompt_and_padding(2, 6, (0, 0), seed=8)
     calls = []
 
-    def spy(query, key, value, mask, mask_offset=None, scale=None, softcap=None, sinks=None):
+    def record(key, mask, mask_offset, sinks):
         calls.append((tuple(mask.shape), None if mask_offset is None else mask_offset.tolist()))
-        return hf_tree_attention(query, key, value, mask, mask_offset, scale, softcap, sinks)
 
-    def no_dense_masks(*args, **kwargs):
-        raise AssertionError("a dense mask was built for a plain causal forward")
-
-    hf_tree_attention = hf_attention.tree_attention
-    monkeypatch.setattr(hf_attention, "tree_attention", spy)
-    monkeypatch.setattr(masking_utils, "sdpa_mask", no_dense_masks)
+    spy_on_compact_calls(monkeypatch, record, "a dense mask was built for a plain causal forward")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(prompt, **cache_kwargs(model, cache))
