@@ -31,6 +31,7 @@ from torch_tree_attn.speculative.eagle3 import (  # noqa: E402
     save_eagle3_draft,
 )
 from torch_tree_attn.tree import build_dynamic_tree  # noqa: E402
+from tests.speculative_pair import load_builtin_pair, one_torch_thread  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "examples", "eagle3_verify.py")
@@ -38,12 +39,8 @@ DEMO = os.path.join(ROOT, "examples", "eagle3_verify.py")
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    # These models are tiny: one thread is as fast, and immune to OpenMP threads waiting for
-    # each other when the machine is busy (which slows small GEMMs down many-fold).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 # A small pair: target hidden 160 differs from the draft's 128, and the draft vocabulary
 # (40 ids) is a strict subset of the target's (96), so fc's 3·Ht input and d2t both matter.
@@ -401,10 +398,7 @@ def test_loop_equals_greedy_random_pair(total_tokens, depth, top_k):
 
 @pytest.fixture(scope="module")
 def builtin_pair():
-    assert builtin.builtin_assets_present(), "the built-in weights are kept under examples/assets"
-    hf.register()
-    target = builtin.load_builtin_target(attn_implementation="tree_attn")
-    return target, builtin.load_builtin_draft(target), builtin.ByteTokenizer()
+    return (*load_builtin_pair(), builtin.ByteTokenizer())
 
 
 @pytest.mark.parametrize("prompt,shape", [

@@ -40,6 +40,7 @@ from torch_tree_attn.speculative.eagle3 import (  # noqa: E402
 )
 from torch_tree_attn.speculative import TreeConfig  # noqa: E402
 from torch_tree_attn.tree import build_dynamic_tree, sampling_probs  # noqa: E402
+from tests.speculative_pair import load_builtin_pair, one_torch_thread  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA = torch.cuda.is_available()
@@ -55,24 +56,14 @@ PROMPTS = [
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    # Tiny models: one thread is as fast, and immune to OpenMP threads waiting for each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
     speculative.release()
-
-
-def load_pair(device="cpu", dtype=torch.float32):
-    assert builtin.builtin_assets_present(), "the built-in weights are kept under examples/assets"
-    hf.register()
-    target = builtin.load_builtin_target(dtype=dtype, device=device, attn_implementation="tree_attn")
-    return target, builtin.load_builtin_draft(target, dtype=dtype, device=device)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return load_pair()
+    return load_builtin_pair()
 
 
 TOKENIZER = builtin.ByteTokenizer()
@@ -198,7 +189,7 @@ def test_bfloat16_follows_the_tie_rule(device):
     """bfloat16: wherever the output leaves plain greedy's, greedy's two candidates were within
     the documented tie tolerance; and the logits the verify rounds computed at each round's root
     are within half of it of the token-by-token ones (the rule's premise, measured)."""
-    target, draft = load_pair(device=device, dtype=torch.bfloat16)
+    target, draft = load_builtin_pair(device=device, dtype=torch.bfloat16)
     tolerance = speculative.tie_tolerance(torch.bfloat16)
     roots = []  # logits the tree forwards gave their root: the first token of a round
 
@@ -650,7 +641,7 @@ def test_target_without_tree_attn_and_mismatched_draft(pair):
 def cuda_pair():
     if not CUDA:
         pytest.skip("needs a CUDA device")
-    return load_pair(device="cuda")
+    return load_builtin_pair(device="cuda")
 
 
 def assert_greedy(target, row, tokens, reference):
