@@ -23,7 +23,11 @@
 #   triton    tests/test_triton.py and tests/test_contract.py's triton-interp items (the
 #             interpreter run of the same kernels)
 #   hf        tests/test_hf.py on the GPU (TREE_ATTN_TEST_DEVICE=cuda)
-#   eagle3    examples/eagle3_verify.py --device cuda --check (the built-in pair)
+#   eagle3    examples/eagle3_verify.py --device cuda --check (the built-in pair): the cold-start
+#             and steady-state table
+#   spec      tests/test_speculative.py and tests/test_eagle3.py's CUDA items (greedy and batch with
+#             and without graphs, capture once, no host sync in a round, sampling with graphs;
+#             the cold-start CLI test is the eagle3 stage's run)
 #   launch    benchmarks/bench_launch.py -> $OUT/launch.{log,json}: eager host cost, first call
 #   e2e       benchmarks/bench_e2e.py --device cuda -> $OUT/e2e.{log,json,png}
 #   tune      benchmarks/tune_cuda.py $TUNE_ARGS -> $OUT/tune.{log,json} (not in the default stages)
@@ -40,7 +44,7 @@ PY=${PYTHON:-python3}
 BUDGET=${H200_BUDGET_S:-570}
 # triton (the interpreter run) is not a default stage: triton 3.6's interpreter fails with
 # numpy 2.x (int() of a one-element array in its range()); CI runs it with a current triton.
-STAGES=${*:-install core launch e2e parity fuzz hf eagle3 bench suite}
+STAGES=${*:-install core launch e2e parity fuzz hf eagle3 spec bench suite}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export MAX_JOBS=${MAX_JOBS:-16}
 if [ -z "${CXX:-}" ] && [ -x /opt/gcc/bin/g++ ]; then
@@ -109,6 +113,7 @@ for s in $STAGES; do
     triton) stage triton 200 env TREE_ATTN_TEST_BACKENDS=triton-interp $PYTEST tests/test_triton.py tests/test_contract.py ;;
     hf) stage hf 300 env TREE_ATTN_TEST_DEVICE=cuda $PYTEST tests/test_hf.py ;;
     eagle3) stage eagle3 200 $PY examples/eagle3_verify.py --device cuda --check ;;
+    spec) stage spec 300 $PYTEST tests/test_speculative.py tests/test_eagle3.py -k "cuda and not cold_start" ;;
     fuzz) stage fuzz ${FUZZ_S:-300} $PY -m tests.test_fuzz --cuda --count ${FUZZ_CUDA_CASES:-2000} ;;
     tune) stage tune ${TUNE_S:-420} $PY benchmarks/tune_cuda.py --max-seconds $(( ${TUNE_S:-420} - 40 )) --json "$OUT/tune.json" ${TUNE_ARGS:-} ;;
     suite)
@@ -116,7 +121,7 @@ for s in $STAGES; do
       # The contract's cpu and sim items (its cuda ones ran in the parity stage).
       stage suite 600 env TREE_ATTN_TEST_BACKENDS=cpu,sim,sim-vector $PYTEST tests --ignore=tests/test_cuda.py \
         --ignore=tests/test_triton.py ;;
-    *) echo "unknown stage $s (install core launch e2e parity fuzz hf eagle3 bench triton suite tune)"; exit 2 ;;
+    *) echo "unknown stage $s (install core launch e2e parity fuzz hf eagle3 spec bench triton suite tune)"; exit 2 ;;
   esac
 done
 echo "== done in ${SECONDS}s; logs in $OUT" | tee -a "$OUT/summary.txt"

@@ -701,10 +701,10 @@ def test_cuda_round_does_not_synchronize(cuda_pair, graphs):
         next(chunks)  # the first round (with graphs: the warm-up round, then the capture)
         engine = spec_engine._ENGINES[target]
         timer = spec_engine._Timer(torch.device("cuda"))
-        timer.start()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
+                timer.start()  # the timer holds one round's events
                 engine.round(temperature, 1.0, graphs, timer)
         finally:
             torch.cuda.set_sync_debug_mode("default")
