@@ -48,8 +48,8 @@ On CUDA (`--device cuda`) the run is a different table, every method under a CUD
 Shapes: B=1, Hq=32, Hkv=8, D=128, T=64 random tree, P in {1024, 4096, 16384, 65536}; plus
 B=8 P=16384 and T=16 P=16384; then at P=16384 the rows D=64, D=256, D=512 (bfloat16) and
 float32 D=128 (--no-extra-rows drops them). Prints µs, the ratio of the best peer's time to ours (> 1:
-tree_attn is faster) and the fraction of the H200 limit max(FLOPs / 790e12, bytes /
-4.3e12) each method reaches; --json PATH and --plot PATH (matplotlib, optional) save it.
+tree_attn is faster) and the fraction of the GPU's limit max(FLOPs / peak, bytes /
+bandwidth) each method reaches (H200: 790e12 FLOP/s, 4.3e12 B/s; H100: 790e12, 3.35e12); --json PATH and --plot PATH (matplotlib, optional) save it.
 
     python benchmarks/bench_op.py --device cuda --json out.json --plot out.png
 
@@ -198,8 +198,21 @@ CUDA_EXTRA_SHAPES = [dict(B=1, T=64, P=16384, D=64), dict(B=1, T=64, P=16384, D=
                      dict(B=1, T=64, P=16384, D=512), dict(B=1, T=64, P=16384, dtype="float32")]
 CUDA_SHAPE = SHAPES["llama"]
 HQ, HKV, D = CUDA_SHAPE.Hq, CUDA_SHAPE.Hkv, CUDA_SHAPE.D
-PEAK_FLOPS = 790e12   # H200 dense bf16, as the issue states it
-PEAK_BYTES = 4.3e12   # H200 HBM3e, bytes/s
+# The limit's peaks by GPU: (dense bf16 FLOP/s, memory bytes/s). The H200's are the issue's;
+# the H100 SXM has the same SMs and clocks (so the same FLOP/s) and HBM3 at 3.35 TB/s (NVIDIA's
+# datasheet figure). Another GPU falls back to the H200's, and the header says so.
+PEAKS = {"H200": (790e12, 4.3e12), "H100": (790e12, 3.35e12)}
+
+
+def peaks_for(gpu_name: str):
+    """(name, FLOP/s, bytes/s) of the limit used for this GPU."""
+    for name, (flops, nbytes) in PEAKS.items():
+        if name in gpu_name:
+            return name, flops, nbytes
+    return "H200 (assumed)", *PEAKS["H200"]
+
+
+PEAK_NAME, PEAK_FLOPS, PEAK_BYTES = peaks_for(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 
 
 def flex_method(x):
@@ -286,7 +299,7 @@ def time_us(replay, iters, repeats=7):
 
 
 def limit_us(x):
-    """The H200 limit for this call: max(FLOPs / peak, bytes / bandwidth), in µs. FLOPs count
+    """The GPU's limit for this call (PEAKS): max(FLOPs / peak, bytes / bandwidth), in µs. FLOPs count
     what a row sees (prefix plus its tree ancestors): 4 * D per (row, visible key); bytes
     are K and V of the P + T keys once per (batch row, kv head), plus q and out. The bf16
     tensor-core peak for every dtype (a float32 call is held to the same bar)."""
@@ -309,7 +322,8 @@ def tree_attn_triton(x):
 def cuda_main(args):
     props = torch.cuda.get_device_properties(0)
     print(f"torch {torch.__version__}, {props.name} ({props.multi_processor_count} SMs); Hq={HQ} Hkv={HKV}, "
-          f"random tree; every method under a CUDA graph; us = median of replays")
+          f"random tree; every method under a CUDA graph; us = median of replays; limit: {PEAK_NAME}, "
+          f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s, {PEAK_BYTES / 1e12:.2f} TB/s")
     methods = ("tree_attn", "tree_attn_triton", "sdpa", "flex", "cascade")
     peers = ("sdpa", "flex", "cascade")
     header = (f"{'B':>2} {'T':>3} {'P':>6} {'D':>3} {'dtype':>8} | " + " | ".join(f"{m[:16]:>16} us" for m in methods)
@@ -369,7 +383,8 @@ def cuda_main(args):
 
         with open(args.json, "w") as f:
             json.dump(dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                           Hq=HQ, Hkv=HKV, rows=rows), f, indent=1)
+                           Hq=HQ, Hkv=HKV, limit=dict(gpu=PEAK_NAME, flops=PEAK_FLOPS, bytes_per_s=PEAK_BYTES),
+                           rows=rows), f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         plot(rows, methods, args.plot)
