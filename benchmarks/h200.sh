@@ -34,6 +34,8 @@
 #   fuzz      python -m tests.test_fuzz --cuda --count $FUZZ_CUDA_CASES (2000): the differential
 #             fuzzer on the GPU, batched, after compiling its kernel specs outside the prebuilt
 #             table; prints failures and cases per second
+#   ncu       benchmarks/ncu_profile.py --out $OUT/ncu: Nsight Compute per bench shape (tensor pipe,
+#             issue slots, DRAM, stall reasons), raw CSVs under $OUT/ncu (not a default stage)
 #   suite     builds tests/sim, then the rest of tests/
 set -u
 cd "$(dirname "$0")/.."
@@ -115,13 +117,14 @@ for s in $STAGES; do
     eagle3) stage eagle3 200 $PY examples/eagle3_verify.py --device cuda --check ;;
     spec) stage spec 300 $PYTEST tests/test_speculative.py tests/test_eagle3.py -k "cuda and not cold_start" ;;
     fuzz) stage fuzz ${FUZZ_S:-300} $PY -m tests.test_fuzz --cuda --count ${FUZZ_CUDA_CASES:-2000} ;;
+    ncu) stage ncu ${NCU_S:-300} $PY benchmarks/ncu_profile.py --out "$OUT/ncu" ;;
     tune) stage tune ${TUNE_S:-420} $PY benchmarks/tune_cuda.py --max-seconds $(( ${TUNE_S:-420} - 40 )) --json "$OUT/tune.json" ${TUNE_ARGS:-} ;;
     suite)
       stage sim-build 200 $PY -m pip install --no-build-isolation --no-deps ./tests/sim
       # The contract's cpu and sim items (its cuda ones ran in the parity stage).
       stage suite 600 env TREE_ATTN_TEST_BACKENDS=cpu,sim,sim-vector $PYTEST tests --ignore=tests/test_cuda.py \
         --ignore=tests/test_triton.py ;;
-    *) echo "unknown stage $s (install core launch e2e parity fuzz hf eagle3 spec bench triton suite tune)"; exit 2 ;;
+    *) echo "unknown stage $s (install core launch e2e parity fuzz hf eagle3 spec bench triton suite tune ncu)"; exit 2 ;;
   esac
 done
 echo "== done in ${SECONDS}s; logs in $OUT" | tee -a "$OUT/summary.txt"

@@ -10,7 +10,8 @@ split model picks for each config. JSON with every measurement goes to --json.
     python benchmarks/tune_cuda.py --groups d128 --max-seconds 300
 
 Groups: d128 (the benchmark's shapes, bf16, D=128, the full grid), dims (D=64/256/512 bf16
-and float32 D=128 at P=16384, smaller grids). Every timing is one run on a shared GPU:
+and float32 D=128 at P=16384, smaller grids), f32 (float32 D=128 and D=64 at P=16384, the
+3xTF32 grid). Every timing is one run on a shared GPU:
 compare configs within a run, not across runs.
 """
 import argparse
@@ -45,6 +46,8 @@ def grid_d128():
 
 
 def grid_small(D, half):
+    if not half:  # float32 (3xTF32): wgmma wants BLOCK_M >= 64 a warpgroup; fp32 tiles fill registers
+        return [(32, 32, 4, 2), (64, 16, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 8, 2), (128, 32, 8, 2)]
     if D == 64:
         return [c for c in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
     if D == 256:
@@ -107,7 +110,7 @@ def tune(name, x, configs, iters, deadline, results):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", nargs="+", default=["d128", "dims"], choices=["d128", "dims"])
+    ap.add_argument("--groups", nargs="+", default=["d128", "dims"], choices=["d128", "dims", "f32"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--max-seconds", type=float, default=420)
     ap.add_argument("--json", default=None)
@@ -131,6 +134,11 @@ def main():
             x = problem(1, 64, 16384, Hq, Hkv, D, dtype)
             tune(f"{str(dtype)[6:]} D{D} Hq{Hq} Hkv{Hkv} B1 T64 P16384", x, grid_small(D, dtype != torch.float32),
                  args.iters, deadline, results)
+            del x
+    if "f32" in args.groups:
+        for D in (128, 64):
+            x = problem(1, 64, 16384, 32, 8, D, torch.float32)
+            tune(f"float32 D{D} Hq32 Hkv8 B1 T64 P16384", x, grid_small(D, False), args.iters, deadline, results)
             del x
     # Where one default call's time goes (every kernel it launches), at the smallest shape.
     x = problem(1, 64, 1024, 32, 8, 128, torch.bfloat16)

@@ -226,9 +226,10 @@ def phase_bench():
             print(f"{D:>4} {P:>6} {t_tri:>10.1f} {t_g:>10.1f} {t_tri / t_g:>6.2f}x  {listed:<34} "
                   f"{max(diffs.values()) if diffs else float('nan'):.3g}", flush=True)
             # The plan's split count, and a small sweep around it (the table's config).
-            cw = hk.DEFAULT_CONFIG[D][0]
+            cw, bn, stages = hk.DEFAULT_CONFIG[D]
             R = (Hq // Hkv) * T
-            splits, wu = hk.choose_splits(S, T, -(-R // (16 * cw)) * B * Hkv, num_sms, 64, per_sm=2 if cw == 4 else 1)
+            splits, wu = hk.choose_splits(S, T, -(-R // (16 * cw)) * B * Hkv, num_sms, bn,
+                                          per_sm=hk.programs_per_sm(D, cw, bn, stages))
             sweep = []
             for s in sorted({max(1, splits // 2), splits, splits * 2}):
                 try:

@@ -154,6 +154,24 @@ def test_hopper_table_is_the_kernels_and_the_builds():
 
     assert _C.hopper_table() == hk.DEFAULT_CONFIG == build_kernels.hopper_table()
     assert _C.HOPPER_WINDOW_COST == hk.WINDOW_COST
+    assert sorted(hk.HEAD_DIMS) == sorted(hk.DEFAULT_CONFIG)
+
+
+@pytest.mark.parametrize("config", [(4, 64, 2), (4, 64, 3), (4, 64, 4), (4, 32, 3), (4, 32, 4), (8, 64, 2), (8, 64, 3)])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_hopper_programs_per_sm_is_one_rule(D, config):
+    """The C++ plan's programs per SM (the split count depends on it) and the build's (the
+    register cap depends on it) are one rule: two programs where four consumer warps' shared
+    memory fits twice into the SM's 228 KiB, else one."""
+    from torch_tree_attn.backends.cuda import hopper_kernels as hk
+
+    cw, bn, stages = config
+    per_sm = _C.hopper_programs_per_sm(D, cw, bn, stages)
+    assert per_sm == hk.programs_per_sm(D, cw, bn, stages)
+    shared = 2 * (16 * cw * D + 2 * stages * bn * D)
+    assert per_sm == (2 if cw == 4 and 2 * (shared + 1024) <= 228 * 1024 else 1)
+    # The register cap leaves every program its share of the SM's 64K registers.
+    assert per_sm * (cw + 4) * 32 * hk.maxnreg_for(cw, per_sm) <= 65536
 
 
 @pytest.mark.parametrize("name", USER_CALLS)
@@ -215,7 +233,7 @@ def test_hopper_plan_is_the_kernels_model(P, B, T, Hq):
     assert (plan.kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages) == ("hopper", 16 * cw, bn, cw,
                                                                                           stages)
     assert plan.row_blocks == -(-G * T // (16 * cw))
-    splits, window_units = hk.choose_splits(S, M, plan.row_blocks * B * 8, 132, bn, per_sm=2 if cw == 4 else 1)
+    splits, window_units = hk.choose_splits(S, M, plan.row_blocks * B * 8, 132, bn, per_sm=hk.programs_per_sm(128, cw, bn, stages))
     assert (plan.num_splits, plan.window_units) == (splits, window_units)
     assert main == dict(main, kind=2, block_m=16 * cw, block_n=bn, block_d=128, window_n=0, num_warps=cw,
                         num_stages=stages, skip_unseen=0, aligned=1, wide=0)

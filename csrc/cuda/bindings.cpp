@@ -143,6 +143,9 @@ void bind(py::module_& m) {
       if (const auto c = triton::hopper_config(D)) table[py::int_(D)] = py::make_tuple(c->consumer_warps, c->block_n, c->stages);
     return table;
   });
+  m.def("hopper_programs_per_sm", [](int64_t D, int consumer_warps, int block_n, int stages) {
+    return triton::hopper_programs_per_sm(D, triton::HopperConfig{consumer_warps, block_n, stages});
+  });
   m.def("hopper_plan",
         [](int64_t D, int64_t rows_per_head, int64_t batch_heads, int64_t S, int64_t M, int num_sms,
            std::optional<int> num_splits) {

@@ -151,7 +151,10 @@ std::string hopper_why_not(const Prepared& in, int arch) {
   } else if ((p.q_dtype != at::kHalf && p.q_dtype != at::kBFloat16) || p.kv_dtype != p.q_dtype) {
     why << "query " << p.q_dtype << " over key/value " << p.kv_dtype << " (covered: float16 or bfloat16, one dtype)";
   } else if (!triton::hopper_config(p.D)) {
-    why << "head dim " << p.D << " (covered: 64, 128)";
+    why << "head dim " << p.D << " (covered:";
+    const char* sep = " ";
+    for (int64_t d : triton::hopper_head_dims()) why << sep << d, sep = ", ";
+    why << ")";
   } else if (p.S < 1 || p.S >= (int64_t(1) << 31)) {
     why << "S=" << p.S << " (covered: 1 <= S < 2^31)";
   } else if (p.B * p.Hkv > 65535) {

@@ -55,6 +55,19 @@ TileConfig table_config(int64_t D, bool half_dot) {
                     " dot)");
 }
 
+std::vector<int64_t> hopper_head_dims() {
+  std::vector<int64_t> dims;
+  for (const auto& row : kHopperTable) dims.push_back(row.D);
+  std::sort(dims.begin(), dims.end());
+  return dims;
+}
+
+int hopper_programs_per_sm(int64_t D, const HopperConfig& c) {
+  const int64_t shared = 2 * (16 * int64_t(c.consumer_warps) * D + 2 * int64_t(c.stages) * c.block_n * D);
+  const bool fits_twice = 2 * (shared + kSharedReservePerBlock) <= kSharedPerSm;
+  return c.consumer_warps == 4 && fits_twice ? 2 : 1;
+}
+
 std::optional<HopperConfig> hopper_config(int64_t D) {
   for (const auto& row : kHopperTable)
     if (row.D == D) return row.config;
@@ -80,9 +93,8 @@ Plan choose_hopper(int64_t D, int64_t rows_per_head, int64_t batch_heads, int64_
     TORCH_CHECK_VALUE(*num_splits >= 1, "num_splits must be >= 1, got ", *num_splits);
     p.num_splits = *num_splits;
   } else {
-    // 8 consumer warps fill an SM's registers: one program per SM; 4 leave room for two.
     p.num_splits = choose_splits(cdiv(std::max<int64_t>(S - M, 0), p.block_n), p.window_units,
-                                 p.row_blocks * batch_heads, num_sms, c->consumer_warps == 4 ? 2 : 1);
+                                 p.row_blocks * batch_heads, num_sms, hopper_programs_per_sm(D, *c));
   }
   p.skip_unseen = false;
   p.reduce_block_r = reduce_block(p.block_d);

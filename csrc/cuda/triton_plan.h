@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace tree_attn::triton {
 
@@ -86,6 +87,16 @@ struct HopperConfig {
   int consumer_warps = 0, block_n = 0, stages = 0;
 };
 std::optional<HopperConfig> hopper_config(int64_t D);
+// The head dims the Hopper table has, ascending (for messages).
+std::vector<int64_t> hopper_head_dims();
+// Programs of the Hopper kernel one SM holds: two when it has four consumer warps (eight with
+// the producer's warpgroup: half the SM's registers) and its shared memory (Q, then STAGES K
+// and V tiles, 16-bit) fits twice beside the per-block reserve; else one. The kernel's
+// register cap follows from it (hopper_kernels.maxnreg_for; hopper_kernels.programs_per_sm
+// mirrors this for the build, a test holds the two equal).
+int hopper_programs_per_sm(int64_t D, const HopperConfig& c);
+inline constexpr int64_t kSharedPerSm = 233472;     // 228 KiB (sm_90)
+inline constexpr int64_t kSharedReservePerBlock = 1024;
 // A window tile of the Hopper kernel costs this many prefix tiles in the split balance (its
 // mask loads, selections and V fix-up); the kernel takes window_units in these units.
 inline constexpr double kHopperWindowCost = 2.0;

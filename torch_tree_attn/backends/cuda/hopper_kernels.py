@@ -136,25 +136,38 @@ FLOAT32_MAX = 3.4028234663852886e38
 BIG = 67108864.0  # 2^26, as triton_kernels.BIG
 
 # Supported cases (covers()).
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 
 # Default configuration: (CONSUMER_WARPS, BLOCK_N, STAGES) per D.
-DEFAULT_CONFIG = {128: (4, 64, 2), 64: (4, 64, 3)}   # = csrc/cuda/tile_configs.def (a test holds them equal)
+DEFAULT_CONFIG = {64: (4, 64, 3), 128: (4, 64, 2), 256: (4, 32, 3)}   # = csrc/cuda/tile_configs.def (a test holds them equal)
 PRODUCER_REGS = 24
 # The window's cost in prefix tiles per window tile (the split balance; masks, selections and
 # the V fix-up make a window tile dearer than a prefix tile).
 WINDOW_COST = 2.0
 
 
-def maxnreg_for(consumer_warps: int) -> int:
+SHARED_PER_SM = 233472          # 228 KiB (sm_90) = triton_plan.h kSharedPerSm
+SHARED_RESERVE_PER_BLOCK = 1024
+
+
+def programs_per_sm(head_dim: int, consumer_warps: int, block_n: int, stages: int) -> int:
+    """Programs one SM holds (= triton_plan.cpp hopper_programs_per_sm, which the C++ plan
+    uses; this mirror serves the build, which runs before the extension exists): two with
+    four consumer warps whose shared memory (Q, then STAGES K and V tiles, 16-bit) fits twice
+    beside the per-block reserve, else one."""
+    shared = 2 * (16 * consumer_warps * head_dim + 2 * stages * block_n * head_dim)
+    fits_twice = 2 * (shared + SHARED_RESERVE_PER_BLOCK) <= SHARED_PER_SM
+    return 2 if consumer_warps == 4 and fits_twice else 1
+
+
+def maxnreg_for(consumer_warps: int, per_sm: int = 1) -> int:
     """The kernel's maxnreg: what the SM's 64K registers allow for the padded warp count (the
-    producer's warp takes a whole warpgroup), rounded down to a multiple of 8."""
+    producer's warp takes a whole warpgroup) and per_sm programs, a multiple of 8 up to 248
+    (setmaxnreg's granule; 256 is past ptxas's 255)."""
     warps = consumer_warps + 4
-    per_thread = 65536 // (warps * 32)
-    if consumer_warps == 4:
-        per_thread //= 2  # two programs per SM
-    return min(255, per_thread // 8 * 8)
+    per_thread = 65536 // (warps * 32 * per_sm)
+    return min(248, per_thread // 8 * 8)
 
 
 if HAVE_GLUON:
@@ -578,7 +591,8 @@ def compile_variant(dtype_name: str = "bf16", head_dim: int = 128, mask_float: b
         for name in ("Q", "OUT", "LSE", "PO", "PM", "PL"):
             attrs[(names.index(name),)] = [["tt.divisibility", 16]]
     src = GluonASTSource(fn=_tree_attn_main_sm90, signature=sig, constexprs=constexprs, attrs=attrs)
-    options = dict(num_warps=cw, num_stages=1, maxnreg=maxnreg_for(cw), enable_fp_fusion=True)
+    options = dict(num_warps=cw, num_stages=1, maxnreg=maxnreg_for(cw, programs_per_sm(head_dim, cw, bn, st)),
+                   enable_fp_fusion=True)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -680,7 +694,7 @@ def forward_with_lse_hopper(query, key, value, mask, mask_offset=None, scale=Non
     R, total_rows = pb.G * pb.T, pb.B * pb.Hq * pb.T
     row_blocks = -(-R // block_m)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    per_sm = 2 if cw == 4 else 1
+    per_sm = programs_per_sm(pb.D, cw, bn, st)
     splits, window_units = choose_splits(pb.S, pb.M, row_blocks * pb.B * pb.Hkv, num_sms, bn, per_sm)
     if num_splits is not None:
         if num_splits < 1:
@@ -721,7 +735,7 @@ def forward_with_lse_hopper(query, key, value, mask, mask_offset=None, scale=Non
         pb.Hkv, pb.G, pb.T, pb.S, pb.M, R, total_rows, splits, window_units, off_kind, int(pb.has_sinks),
         abs(pb.scale), pb.softcap if pb.softcap is not None else 1.0,
         D=pb.D, BLOCK_M=block_m, BLOCK_N=bn, STAGES=st, MASK_FLOAT=bool(pb.mask_float),
-        HAS_SOFTCAP=pb.softcap is not None, PRODUCER_REGS_=PRODUCER_REGS, num_warps=cw, maxnreg=maxnreg_for(cw),
+        HAS_SOFTCAP=pb.softcap is not None, PRODUCER_REGS_=PRODUCER_REGS, num_warps=cw, maxnreg=maxnreg_for(cw, per_sm),
     )
     if splits > 1:
         block_r = max(1, 512 // pb.D)

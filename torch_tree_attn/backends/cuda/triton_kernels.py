@@ -57,17 +57,69 @@ def _not_finite(x):
 
 
 @triton.jit
+def _tf32_truncate(x):
+    """float32 x with its low 13 mantissa bits cleared: a TF32 value (10 mantissa bits), what
+    a TF32 tensor-core MMA reads of x. |result| <= |x|, same sign; +-inf and NaN stay
+    non-finite."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tf32_split(x):
+    """(hi, lo) with x = hi + lo + (lo's truncation, |.| < 2^-20 |x|): hi = x truncated to
+    TF32, lo = the exact rest (|lo| < 2^-10 |x|), truncated to TF32 in turn. Both carry x's
+    sign and |hi| + |lo| <= |x|, so no product of the parts overflows where x's does not
+    (a rounded hi of 3.4e38 would be +inf). A non-finite x gives a non-finite part."""
+    hi = _tf32_truncate(x)
+    return hi, _tf32_truncate(x - hi)
+
+
+@triton.jit
+def _dot_3xtf32(a_hi, a_lo, b):
+    """a @ b for a float32 a = (a_hi, a_lo) (_tf32_split) on TF32 tensor cores, float32
+    accumulation: a_lo b_hi + a_hi b_lo + a_hi b_hi, the small products first. The dropped
+    a_lo b_lo and the parts' truncation leave a relative error of a few 2^-20 per product,
+    against 2^-24 for IEEE float32 FMAs (the contract's float32 tolerance holds; tests run
+    this same arithmetic under the interpreter, whose dot is exact float32, because the
+    truncation is explicit). A float16/bfloat16 b is exact in TF32 (b_lo = 0): two MMAs."""
+    if b.dtype == tl.float32:
+        b_hi, b_lo = _tf32_split(b)
+        acc = tl.dot(a_lo, b_hi, input_precision="tf32")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+    else:
+        b_hi = b.to(tl.float32)
+        acc = tl.dot(a_lo, b_hi, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+
+
+@triton.jit
 def _dot(a, b, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation. HALF_DOT: a is rounded to b's float16/bfloat16 (the
-    probabilities P before P.V; a no-op for the query) and the product runs on tensor
-    cores; otherwise IEEE float32 (no TF32; half K/V under a float32 query are upcast).
-    UPCAST (interpreter only, whose numpy has no bfloat16 matmul) computes the half
-    product exactly in float32 from the same rounded operands."""
+    """a @ b with float32 accumulation, on tensor cores. HALF_DOT: a is rounded to b's
+    float16/bfloat16 (the probabilities P before P.V; a no-op for the query) and the
+    product is a half MMA; otherwise 3xTF32 (_dot_3xtf32; half K/V under a float32 query
+    are exact in TF32). UPCAST (interpreter only, whose numpy has no bfloat16 matmul)
+    computes the half product exactly in float32 from the same rounded operands."""
     if HALF_DOT:
         a = a.to(b.dtype)
-        if not UPCAST:
-            return tl.dot(a, b)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        if UPCAST:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+    else:
+        a_hi, a_lo = _tf32_split(a.to(tl.float32))
+        out = _dot_3xtf32(a_hi, a_lo, b)
+    return out
+
+
+@triton.jit
+def _qk(q_hi, q_lo, k, HALF_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """Raw scores Q.K^T of a tile: a half MMA (q_hi is the query, q_lo unused), or 3xTF32
+    from the query's split, made once per program (_tf32_split)."""
+    if HALF_DOT:
+        s = _dot(q_hi, tl.trans(k), HALF_DOT, UPCAST)
+    else:
+        s = _dot_3xtf32(q_hi, q_lo, tl.trans(k))
+    return s
 
 
 @triton.jit
@@ -210,8 +262,12 @@ def _tree_attn_main(
 
     q = tl.load(Q + b * sq0 + h[:, None] * sq1 + i[:, None].to(tl.int64) * sq2 + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if not HALF_DOT:
-        q = q.to(tl.float32)
+    # The query as the MMAs read it, once: itself (half), or its TF32 parts (float32).
+    if HALF_DOT:
+        q_hi = q
+        q_lo = q
+    else:
+        q_hi, q_lo = _tf32_split(q.to(tl.float32))
 
     # off_kind: 0 no offsets (all 0), 1 int32, 2 int64 (OFF is cast to the given width).
     off = b * 0                          # int64 scalar 0
@@ -264,7 +320,7 @@ def _tree_attn_main(
         key0 = tl.cast(t, tl.int64) * BLOCK_N
         k = tl.load(k_base + key0 * sk2 + k_in_tile, mask=d_ok[None, :], other=0.0)
         v = tl.load(v_base + key0 * sv2 + v_in_tile, mask=d_ok[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), HALF_DOT, UPCAST)
+        s = _qk(q_hi, q_lo, k, HALF_DOT, UPCAST)
         # Every row sees every key: a raw score that is not finite, or overflows once scaled,
         # poisons its row, once per row (the tile's max |raw| times |scale| is then not
         # finite, and 0 times it is NaN; tanh would saturate it, and a huge negative score
@@ -308,7 +364,7 @@ def _tree_attn_main(
         # sub-tiles are expected (the launcher's choice); otherwise an unseen sub-tile's
         # probabilities are exactly 0 by selection.
         if not SKIP_UNSEEN or tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
-            s = _dot(q, tl.trans(k), HALF_DOT, UPCAST) * scale_abs
+            s = _qk(q_hi, q_lo, k, HALF_DOT, UPCAST) * scale_abs
             # Poison by propagation, as in the prefix, but only through what a row sees:
             # z is NaN where a key's raw score, V row or (seen) bias is not finite, else 0;
             # it joins the exponent of the entries a row sees (the selection below).

@@ -1,0 +1,129 @@
+"""Nsight Compute figures for the CUDA main kernels at bench_op.py's shapes: tensor-pipe and
+issue-slot utilisation, DRAM throughput and the warp stall reasons, one kernel launch per
+shape.
+
+Two modes:
+
+    python benchmarks/ncu_profile.py --run B,T,P,D,dtype     # the workload ncu profiles
+    python benchmarks/ncu_profile.py --out DIR                # every shape under ncu, then a table
+
+The second runs ``ncu`` (``$NCU``, default /usr/local/cuda/bin/ncu, else ``ncu`` on PATH) on
+the first, once per shape, profiling the fourth launch of a kernel named ``_tree_attn_main*``
+(the Hopper kernel ``_tree_attn_main_sm90`` or the Triton one) with the SpeedOfLight,
+ComputeWorkloadAnalysis, SchedulerStats and WarpStateStats sections, saves each raw CSV
+under DIR and prints one row per shape.
+"""
+import argparse
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPES = ["1,64,1024,128,bf16", "1,64,4096,128,bf16", "1,64,16384,128,bf16", "1,64,65536,128,bf16",
+          "8,64,16384,128,bf16", "1,16,16384,128,bf16", "1,64,16384,256,bf16", "1,64,16384,128,fp32"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats")
+# (column title, metric name prefix in ncu's raw page); the first metric found per title wins.
+COLUMNS = [
+    ("time us", ("gpu__time_duration.sum",)),
+    ("SM %", ("sm__throughput.avg.pct_of_peak_sustained_elapsed",)),
+    ("DRAM %", ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+                "dram__throughput.avg.pct_of_peak_sustained_elapsed")),
+    ("tensor pipe %", ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+                       "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
+                       "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+                       "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active")),
+    ("issue slots %", ("sm__inst_issued.avg.pct_of_peak_sustained_active",
+                       "smsp__issue_active.avg.pct_of_peak_sustained_active")),
+    ("warps/sched", ("smsp__warps_active.avg.per_cycle_active",)),
+]
+STALL_PREFIX = "smsp__average_warp_latency_issue_stalled_"
+STALL_PREFIX_ALT = "smsp__pcsamp_warps_issue_stalled_"
+
+
+def workload(spec: str, calls: int = 6) -> None:
+    from torch_tree_attn.ops import tree_attention
+    import tune_cuda
+
+    B, T, P, D, dtype = spec.split(",")
+    B, T, P, D = int(B), int(T), int(P), int(D)
+    Hq, Hkv = (16, 8) if D == 256 else (32, 8)
+    x = tune_cuda.problem(B, T, P, Hq, Hkv, D, DTYPES[dtype])
+    for _ in range(calls):
+        tree_attention(x["q"], x["k"], x["v"], x["mask"], x["off"])
+    torch.cuda.synchronize()
+
+
+def _raw_rows(text: str):
+    """ncu --csv --page raw: a header row of metric names, a units row, then one row a kernel."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(rows) < 3:
+        return {}
+    return dict(zip(rows[0], rows[-1]))
+
+
+def _value(row: dict, names) -> str:
+    for name in names:
+        if name in row:
+            return row[name]
+    return "-"
+
+
+def profile(out_dir: str) -> int:
+    ncu = os.environ.get("NCU") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu")
+                                     else shutil.which("ncu"))
+    if not ncu:
+        print("no ncu found (set $NCU)")
+        return 2
+    os.makedirs(out_dir, exist_ok=True)
+    print(" | ".join(["shape".ljust(22)] + [t for t, _ in COLUMNS] + ["top stalls (cycles per issued instruction)"]))
+    for spec in SHAPES:
+        cmd = [ncu, "--target-processes", "all", "-k", "regex:_tree_attn_main", "--launch-skip", "3",
+               "--launch-count", "1", "--csv", "--page", "raw"]
+        for section in SECTIONS:
+            cmd += ["--section", section]
+        cmd += [sys.executable, os.path.abspath(__file__), "--run", spec]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        name = spec.replace(",", "_")
+        with open(os.path.join(out_dir, f"ncu-{name}.csv"), "w") as f:
+            f.write(proc.stdout)
+        row = _raw_rows(proc.stdout)
+        if not row:
+            print(f"{spec:<22} | ncu gave no row (rc {proc.returncode}): {proc.stderr[-400:]} {proc.stdout[-400:]}")
+            continue
+        stalls = []
+        for key, val in row.items():
+            for prefix in (STALL_PREFIX, STALL_PREFIX_ALT):
+                if key.startswith(prefix) and key.endswith(".ratio"):
+                    try:
+                        stalls.append((float(val.replace(",", "")), key[len(prefix):-len(".ratio")]))
+                    except ValueError:
+                        pass
+        stalls.sort(reverse=True)
+        top = ", ".join(f"{n} {v:.2f}" for v, n in stalls[:4])
+        kernel = row.get("Kernel Name", "?")[:24]
+        print(" | ".join([f"{spec:<22}"] + [_value(row, names) for _, names in COLUMNS] + [f"{top}; {kernel}"]),
+              flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", metavar="B,T,P,D,dtype", help="run the workload of one shape (what ncu profiles)")
+    ap.add_argument("--out", default="ncu-results", help="folder for the raw CSVs")
+    args = ap.parse_args()
+    if args.run:
+        workload(args.run)
+        return 0
+    return profile(args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
