@@ -108,20 +108,17 @@ def hopper_available(entries: list) -> bool:
 def _interpret(query, key, value, mask, mask_offset, scale, softcap, sinks, num_splits, config):
     """The C++ launcher's two launches, in Python, for Triton's interpreter (CPU tensors)."""
     from . import triton_kernels as tk
+    from .launch_prologue import prepare_call
 
-    prepared = _C._prepare(query, key, value, mask, mask_offset, scale, softcap, sinks)
+    prepared, q, out, lse = prepare_call(query, key, value, mask, mask_offset, scale, softcap, sinks)
     pb = prepared.problem
-    q, k, v, m = prepared.query, prepared.key, prepared.value, prepared.mask
-    out = torch.empty((pb.B, pb.Hq, pb.T, pb.D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((pb.B, pb.Hq, pb.T), dtype=torch.float32, device=q.device)
+    k, v, m = prepared.key, prepared.value, prepared.mask
     if pb.empty:
         return out, lse
     plan, spec, reduce_spec = _C.cuda_plan_launch(query, key, value, mask, mask_offset, scale, softcap, sinks,
                                                   arch=90, num_sms=INTERPRETER_SMS, num_splits=num_splits,
                                                   config=list(config) if config is not None else None,
                                                   kernel="triton")
-    if pb.scale < 0:
-        q = torch.neg(q)
     if (plan.block_n - 1) * max(pb.k_stride[2], pb.v_stride[2]) + plan.block_d >= 2**31:
         k, v = k.contiguous(), v.contiguous()
 

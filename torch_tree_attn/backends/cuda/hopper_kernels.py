@@ -672,7 +672,7 @@ def forward_with_lse_hopper(query, key, value, mask, mask_offset=None, scale=Non
     """The op's forward_with_lse through the Gluon main pass (and, when the keys are split,
     the Triton reduce kernel), on an sm_90 GPU. config = (CONSUMER_WARPS, BLOCK_N, STAGES).
     Raises NotImplementedError when covers() is False. Never syncs with the device."""
-    from ... import _C
+    from .launch_prologue import prepare_call
     from .triton_kernels import _tree_attn_reduce
 
     reason = why_not(query, key, value, mask, mask_offset, scale, softcap, sinks)
@@ -680,15 +680,11 @@ def forward_with_lse_hopper(query, key, value, mask, mask_offset=None, scale=Non
         raise NotImplementedError(f"forward_with_lse_hopper does not cover this call: {reason}")
     if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device) != (9, 0):
         raise NotImplementedError("forward_with_lse_hopper runs on sm_90 (Hopper) CUDA devices only")
-    prepared = _C._prepare(query, key, value, mask, mask_offset, scale, softcap, sinks)
+    prepared, q, out, lse = prepare_call(query, key, value, mask, mask_offset, scale, softcap, sinks)
     pb = prepared.problem
-    q, k, v, m = prepared.query, prepared.key, prepared.value, prepared.mask
-    out = torch.empty((pb.B, pb.Hq, pb.T, pb.D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((pb.B, pb.Hq, pb.T), dtype=torch.float32, device=q.device)
+    k, v, m = prepared.key, prepared.value, prepared.mask
     if pb.empty:
         return out, lse
-    if pb.scale < 0:
-        q = torch.neg(q)
     cw, bn, st = config or DEFAULT_CONFIG[pb.D]
     block_m = 16 * cw
     R, total_rows = pb.G * pb.T, pb.B * pb.Hq * pb.T
