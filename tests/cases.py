@@ -415,6 +415,31 @@ def check_validation_errors(device: str):
     return q, kv, mask
 
 
+def check_sliced_inputs(device: str) -> None:
+    """A GPU backend (CUDA, MPS) reads tensors that start inside their storage
+    (storage_offset != 0) from that offset: query, key, value, mask and offsets are each a
+    slice of a larger tensor on the device; binding them at 0 would read the wrong rows."""
+    case = Case(B=2, Hq=8, Hkv=2, T=6, S=50, D=96, dtype=torch.float32, mask_kind="float", seed=303)
+    inputs = make_inputs(case)
+    pad = 3
+    sliced = {}
+    for name in ("query", "key", "value"):
+        t = inputs[name]
+        big = torch.randn(t.shape[0], t.shape[1], t.shape[2] + pad, t.shape[3], dtype=t.dtype)
+        big[:, :, pad:] = t
+        sliced[name] = big.to(device)[:, :, pad:]
+        assert sliced[name].storage_offset() != 0
+    big_mask = torch.zeros(inputs["mask"].shape[0] + 1, *inputs["mask"].shape[1:], dtype=inputs["mask"].dtype)
+    big_mask[1:] = inputs["mask"]
+    sliced["mask"] = big_mask.to(device)[1:]
+    # int32, so the offsets reach the kernel as given (MPS would convert int64 ones to a fresh tensor).
+    sliced["mask_offset"] = torch.cat([torch.tensor([99]), inputs["mask_offset"]]).int().to(device)[1:]
+    sliced.update(scale=None, softcap=None)
+    assert sliced["mask"].storage_offset() != 0 and sliced["mask_offset"].storage_offset() != 0
+    out, lse = torch.ops.tree_attn.forward_with_lse(*args_of(sliced))
+    check_against_reference(out.cpu(), lse.cpu(), inputs)
+
+
 def check_nonfinite_case(case: Case, kind: str, run) -> None:
     """One `nonfinite_cases()` pair through a backend: `run(inputs) -> (out, lse)` must put
     NaN exactly in the rows the reference poisons, and the injection must be meaningful."""

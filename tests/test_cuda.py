@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import torch_tree_attn
-from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_empty_problem, check_softcap_at_any_cap,
-                         check_validation_errors, extreme_finite_checks, args_of, check_against_reference, make_inputs,
-                         random_tree_mask)
+from tests.cases import (SOFTCAPS, Case, check_clamped_offsets, check_empty_problem, check_sliced_inputs,
+                         check_softcap_at_any_cap, check_validation_errors, extreme_finite_checks, args_of,
+                         check_against_reference, make_inputs, random_tree_mask)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
@@ -273,22 +273,7 @@ def test_no_host_sync():
 
 
 def test_sliced_inputs_use_their_storage_offset():
-    case = Case(B=2, Hq=8, Hkv=2, T=6, S=50, D=96, dtype=torch.float32, mask_kind="float", seed=303)
-    inputs = make_inputs(case)
-    pad = 3
-    sliced = {}
-    for name in ("query", "key", "value"):
-        t = inputs[name]
-        big = torch.randn(t.shape[0], t.shape[1], t.shape[2] + pad, t.shape[3], dtype=t.dtype)
-        big[:, :, pad:] = t
-        sliced[name] = big.cuda()[:, :, pad:]
-    big_mask = torch.zeros(inputs["mask"].shape[0] + 1, *inputs["mask"].shape[1:], dtype=inputs["mask"].dtype)
-    big_mask[1:] = inputs["mask"]
-    sliced["mask"] = big_mask.cuda()[1:]
-    sliced["mask_offset"] = torch.cat([torch.tensor([99]), inputs["mask_offset"]]).int().cuda()[1:]
-    sliced.update(scale=None, softcap=None)
-    out, lse = ops.forward_with_lse(*args_of(sliced))
-    check_against_reference(out.cpu(), lse.cpu(), inputs)
+    check_sliced_inputs("cuda")
 
 
 def test_deterministic():

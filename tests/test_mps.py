@@ -26,7 +26,7 @@ import torch
 
 import torch_tree_attn
 from tests.cases import (args_of, Case, check_clamped_offsets, check_against_reference, check_empty_problem,
-                         check_validation_errors, make_inputs)
+                         check_sliced_inputs, check_validation_errors, make_inputs)
 from torch_tree_attn.reference import tree_attention_reference
 
 pytestmark = pytest.mark.skipif(
@@ -93,27 +93,7 @@ def test_out_of_range_offsets_are_clamped(offset_dtype):
 
 
 def test_sliced_inputs_use_their_storage_offset():
-    """Tensors that start inside their storage (storage_offset != 0) are bound at that
-    byte offset; binding at 0 would read the wrong rows."""
-    case = Case(B=2, Hq=8, Hkv=2, T=6, S=50, D=96, dtype=torch.float32, mask_kind="float", seed=303)
-    inputs = make_inputs(case)
-    pad = 3
-    sliced = {}
-    for name in ("query", "key", "value"):
-        t = inputs[name]
-        big = torch.randn(t.shape[0], t.shape[1], t.shape[2] + pad, t.shape[3], dtype=t.dtype)
-        big[:, :, pad:] = t
-        sliced[name] = big.to("mps")[:, :, pad:]
-        assert sliced[name].storage_offset() != 0
-    big_mask = torch.zeros(inputs["mask"].shape[0] + 1, *inputs["mask"].shape[1:], dtype=inputs["mask"].dtype)
-    big_mask[1:] = inputs["mask"]
-    sliced["mask"] = big_mask.to("mps")[1:]
-    # int32, so the offsets are used as given (int64 ones would be converted to a fresh tensor).
-    sliced["mask_offset"] = torch.cat([torch.tensor([99]), inputs["mask_offset"]]).int().to("mps")[1:]
-    sliced.update(scale=None, softcap=None)
-    assert sliced["mask"].storage_offset() != 0 and sliced["mask_offset"].storage_offset() != 0
-    out, lse = ops.forward_with_lse(*args_of(sliced))
-    check_against_reference(out.cpu(), lse.cpu(), inputs)
+    check_sliced_inputs("mps")
 
 
 def test_deterministic():
