@@ -506,6 +506,24 @@ def _huge_inputs(device, *, S=300, T=6, mask_kind="float", seed=23):
                        device)
 
 
+def plant_huge_score(inputs: dict, where: str, value: float, scale: float) -> int:
+    """Gives row (head 1, node 3) of a B=1, Hkv=1 problem (offset past 37) a huge score
+    `value` for one key, a prefix key (37) for where="prefix", the tree's root for "window";
+    returns that key. scale * q.k = value exactly, q.k itself finite: q = (1, 0, ...), k =
+    (value / scale, 0, ...) as the cache's dtype rounds it. The other rows' first dim is 0,
+    so their scores stay ordinary. Sets inputs["scale"]."""
+    q, k = inputs["query"], inputs["key"]
+    off = int(inputs["mask_offset"][0])
+    key = 37 if where == "prefix" else off
+    inputs["scale"] = scale
+    q[..., 0] = 0.0
+    q[0, 1, 3] = 0.0
+    q[0, 1, 3, 0] = 1.0
+    k[0, 0, key] = 0.0
+    k[0, 0, key, 0] = value / scale
+    return key
+
+
 def _expect_one_hot(out, lse, inputs, rows, key, top_score, others_must_match=True):
     """Rows (h, i) whose score for `key` (top_score, finite and huge) dwarfs every other:
     output = V[key] and lse = top_score, both to float32; the other rows match the
@@ -565,18 +583,7 @@ def extreme_finite_checks(run, device="cpu"):
     def score(value, where, scale=1.0):
         def check():
             inputs = _huge_inputs(device, mask_kind="bool")
-            q, k = inputs["query"], inputs["key"]
-            off = inputs["mask_offset"][0].item()
-            key = 37 if where == "prefix" else off      # a prefix key, or the tree's root
-            # scale * q.k = value exactly, q.k itself finite: q = (1, 0, ...), k = (value /
-            # scale, 0, ...); row (head 1, node 3) sees key (prefix key or the root). The other
-            # rows' first dim is 0, so their scores stay ordinary.
-            inputs["scale"] = scale
-            q[..., 0] = 0.0
-            q[0, 1, 3] = 0.0
-            q[0, 1, 3, 0] = 1.0
-            k[0, 0, key] = 0.0
-            k[0, 0, key, 0] = value / scale
+            key = plant_huge_score(inputs, where, value, scale)   # row (head 1, node 3) sees the key
             out, lse = run(inputs)
             _expect_one_hot(out, lse, inputs, [(1, 3)] if value > 0 else [], key, value)
         return check

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.cases import (Case, args_of, check_against_reference, inject_nonfinite, make_inputs, nonfinite_cases,
-                         parity_matrix)
+                         parity_matrix, plant_huge_score)
 from torch_tree_attn import _C
 from torch_tree_attn.backends.cuda import hopper_kernels as hk
 
@@ -631,16 +631,8 @@ def test_model_huge_finite_scores(where, value, scale, num_splits):
     score; every other row matches the reference."""
     case = Case(B=1, Hq=4, Hkv=1, T=6, S=300, D=64, dtype=torch.bfloat16, offsets="same", seed=23)
     inputs = make_inputs(case)
-    q, k = inputs["query"], inputs["key"]
-    off = int(inputs["mask_offset"][0])
-    key = 37 if where == "prefix" else off
-    inputs["scale"] = scale
-    q[..., 0] = 0.0
-    q[0, 1, 3] = 0.0
-    q[0, 1, 3, 0] = 1.0
-    k[0, 0, key] = 0.0
-    k[0, 0, key, 0] = value / scale
-    top = float(k[0, 0, key, 0].float()) * scale          # q.k exact (bf16 operands), then scaled
+    key = plant_huge_score(inputs, where, value, scale)
+    top = float(inputs["key"][0, 0, key, 0].float()) * scale   # q.k exact (bf16 operands), then scaled
     out, lse = model_forward_with_lse(inputs, num_splits=num_splits)
     from torch_tree_attn.reference import tree_attention_reference
 
