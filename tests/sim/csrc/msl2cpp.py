@@ -666,8 +666,10 @@ class Translator:
         return ("constexpr ::tree_attn::sim::detail::FunctionConstantInfo tree_attn_sim_function_constants[] = {\n    "
                 + rows + "};\n\n")
 
-    def find_kernels(self):
-        """Parse kernel definitions and explicit instantiations at file scope."""
+    def walk_tokens(self, visit):
+        """Calls visit(i, depth) on every token but braces, in order, depth its brace nesting
+        (0 at file scope). visit returns the index to go on from (past what it consumed), or
+        None to go on with the next token."""
         i, depth = 0, 0
         n = len(self.tokens)
         while i < n:
@@ -676,13 +678,24 @@ class Translator:
                 depth += 1
             elif t.kind == "punct" and t.text == "}":
                 depth -= 1
-            elif depth == 0 and t.kind == "id" and t.text == "template" and not self.is_(i + 1, "<"):
-                i = self.parse_explicit_instantiation(i)
-                continue
-            elif depth == 0 and ((t.kind == "id" and t.text == "kernel") or (t.kind == "attr" and t.text == "kernel")):
-                i = self.parse_kernel_definition(i)
-                continue
+            else:
+                resume = visit(i, depth)
+                if resume is not None:
+                    i = resume
+                    continue
             i += 1
+
+    def find_kernels(self):
+        """Parse kernel definitions and explicit instantiations at file scope."""
+        def visit(i, depth):
+            t = self.tokens[i]
+            if depth == 0 and t.kind == "id" and t.text == "template" and not self.is_(i + 1, "<"):
+                return self.parse_explicit_instantiation(i)
+            if depth == 0 and ((t.kind == "id" and t.text == "kernel") or (t.kind == "attr" and t.text == "kernel")):
+                return self.parse_kernel_definition(i)
+            return None
+
+        self.walk_tokens(visit)
 
     def absorb_function_attribute(self, k: int, attrs: FunctionAttributes, context: str):
         """Record the function attribute at token k ([[kernel]], [[host_name]], ...) and blank it."""
@@ -835,19 +848,13 @@ class Translator:
         return Param(self.source_text(a, k - 1), (a, k - 1), name_tok.text, attribute, line)
 
     def rewrite_address_spaces(self, inside_define: bool = False):
-        depth = 0
-        i = 0
-        n = len(self.tokens)
-        while i < n:
+        def visit(i, depth):
             t = self.tokens[i]
-            if t.kind == "punct" and t.text == "{":
-                depth += 1
-            elif t.kind == "punct" and t.text == "}":
-                depth -= 1
-            elif t.kind == "id" and t.text in ADDRESS_SPACES and t.out is None:
-                i = self.rewrite_address_space(i, depth, inside_define)
-                continue
-            i += 1
+            if t.kind == "id" and t.text in ADDRESS_SPACES and t.out is None:
+                return self.rewrite_address_space(i, depth, inside_define)
+            return None
+
+        self.walk_tokens(visit)
 
     def rewrite_address_space(self, i: int, depth: int, inside_define: bool) -> int:
         space = self.tokens[i].text
