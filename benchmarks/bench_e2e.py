@@ -85,9 +85,7 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
-import time
 
 import torch
 
@@ -98,6 +96,8 @@ except ImportError:  # run from a source checkout built in place
     import torch_tree_attn  # noqa: F401
 from torch_tree_attn.hf import compat
 from torch_tree_attn.tree import ancestor_mask
+
+from timing import graphed, median_ms, pyplot, synchronize  # benchmarks/timing.py, beside this script
 
 T = 64
 FLEX_BLOCK = 64
@@ -247,11 +247,6 @@ def supported(model, impl):
     return None
 
 
-def synchronize(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 # --------------------------------------------------------------------------------------
 # Correctness, timing, profile
 # --------------------------------------------------------------------------------------
@@ -287,28 +282,12 @@ def check_step(step, impls, cuda):
 
 
 def time_eager(step, impl, warmup, iters):
-    """Median ms of one eager verify step (CUDA events on the GPU, perf_counter on the CPU)."""
-    cuda = step.device.type == "cuda"
+    """Median ms of one eager verify step (CUDA events on the GPU, perf_counter on the CPU),
+    the cache length reset to P before each, outside the timing."""
     step.model.set_attn_implementation(impl)
     kwargs = step.forward_kwargs(impl)
-    times = []
-    for i in range(warmup + iters):
-        step.reset()
-        synchronize(step.device)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step.model(input_ids=step.tokens, **kwargs)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            step.model(input_ids=step.tokens, **kwargs)
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    return statistics.median(times)
+    return median_ms(lambda: step.model(input_ids=step.tokens, **kwargs), step.device, iters, warmup=warmup,
+                     before=lambda i: step.reset())
 
 
 def capture(step, impl, prepared, warmup):
@@ -320,20 +299,8 @@ def capture(step, impl, prepared, warmup):
     def run():
         return step.model(input_ids=step.tokens, **kwargs).logits
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step.reset()
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    step.reset()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = run()
-    torch.cuda.synchronize()
-    return graph, logits
+    # The cache length back to P before each warm-up forward and before the capture.
+    return graphed(run, warmup, prepare=step.reset)
 
 
 def time_graph(step, impl, prepared, warmup, iters, eager_logits):
@@ -348,21 +315,15 @@ def time_graph(step, impl, prepared, warmup, iters, eager_logits):
     gen = torch.Generator(device=step.device).manual_seed(7)
     new_tokens = torch.randint(0, step.model.config.vocab_size, (warmup + iters, 1, T), generator=gen,
                                device=step.device)
-    times = []
-    for i in range(warmup + iters):
+
+    def next_step(i):
         step.tokens.copy_(new_tokens[i])
         step.reset()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
+
+    ms = median_ms(graph.replay, step.device, iters, warmup=warmup, before=next_step)
     step.tokens.copy_(check_tokens)
     del graph, logits
-    return statistics.median(times), diff
+    return ms, diff
 
 
 def _under_attention_op(event):
@@ -465,22 +426,9 @@ def format_row(row):
     return f"{row['P']:>6} {row['impl']:<15} {row['mode']:<6} | {ms} | {share} | {tail}"
 
 
-def _pyplot():
-    """matplotlib.pyplot on a headless backend, or None (and a message) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--png: matplotlib is not installed, no plot written")
-        return None
-    return plt
-
-
 def plot(rows, env, path):
     """Bars of ms per verify step, one group per P, one panel per mode (log scale)."""
-    plt = _pyplot()
+    plt = pyplot("--png")
     if plt is None:
         return
     modes = [m for m in ("eager", "graph") if any(r["mode"] == m for r in rows)]

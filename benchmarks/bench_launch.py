@@ -31,6 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from timing import graphed, replay_us  # benchmarks/timing.py, beside this script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -140,27 +142,10 @@ def host_costs(fn, n, repeats):
 
 
 def graph_cost(fn, n, repeats):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            g.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(samples)
+    """graph µs/call: fn captured once (after 3 warm-up calls), the median over `repeats`
+    loops of n replays."""
+    graph, _ = graphed(fn, warmup=3)
+    return replay_us(graph.replay, n, repeats)
 
 
 def main(argv=None):

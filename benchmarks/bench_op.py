@@ -65,9 +65,7 @@ each plan JSON with its modelled times added.
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +76,8 @@ except ImportError:  # run from a source checkout built in place (setup.py build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_tree_attn  # noqa: F401
 from torch_tree_attn.tree import ancestor_mask
+
+from timing import graphed, median_ms, pyplot, replay_us  # benchmarks/timing.py, beside this script
 
 B, T = 1, 64
 
@@ -111,29 +111,6 @@ def random_tree_mask(T, gen):
     """Ancestor-or-self mask of a random tree with nodes ordered parents first."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
     return ancestor_mask(torch.tensor(parents))
-
-
-def synchronize(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elif device == "mps":
-        torch.mps.synchronize()
-
-
-def median_ms(fn, device, iters, max_seconds):
-    """Median wall time of `fn` after one warm-up call: `iters` runs, fewer (but at least
-    3) when they would take longer than `max_seconds`."""
-    fn()
-    synchronize(device)
-    times = []
-    started = time.perf_counter()
-    while len(times) < iters and (len(times) < 3 or time.perf_counter() - started < max_seconds):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def make_problem(shape, P, dtypes, device, seed=0, B=B, T=T):
@@ -265,39 +242,6 @@ def cascade_method(x):
     return run
 
 
-def graphed(fn, warmup=3):
-    """fn captured in a CUDA graph after warm-up (compilation included); returns
-    (replay, output of the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph.replay, out
-
-
-def time_us(replay, iters, repeats=7):
-    """Median over `repeats` of the mean time of `iters` back-to-back graph replays."""
-    replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(samples)
-
-
 def limit_us(x):
     """The GPU's limit for this call (PEAKS): max(FLOPs / peak, bytes / bandwidth), in µs. FLOPs count
     what a row sees (prefix plus its tree ancestors): 4 * D per (row, visible key); bytes
@@ -353,8 +297,8 @@ def cuda_main(args):
         ref = None
         for name in methods:
             try:
-                replay, out = graphed(builders[name]())
-                row["us"][name] = time_us(replay, args.iters)
+                graph, out = graphed(builders[name]())
+                row["us"][name] = replay_us(graph.replay, args.iters)
                 out = out.float()
                 if ref is None:
                     ref = out
@@ -390,21 +334,8 @@ def cuda_main(args):
         plot(rows, methods, args.plot)
 
 
-def _pyplot():
-    """matplotlib.pyplot on a headless backend, or None (and a message) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot: matplotlib is not installed, no plot written")
-        return None
-    return plt
-
-
 def plot(rows, methods, path):
-    plt = _pyplot()
+    plt = pyplot("--plot")
     if plt is None:
         return
     labels = [f"B{r['B']} T{r['T']}\nP{r['P']}" + ("" if (r.get("D", D), r.get("dtype", "bfloat16")) == (
@@ -503,7 +434,7 @@ def mps_model_main(args):
 
 
 def plot_model(rows, path, label):
-    plt = _pyplot()
+    plt = pyplot("--plot")
     if plt is None:
         return
     picked = [r for r in rows if r["shape"] == "llama" and r["dtype"] == rows[0]["dtype"] and r["P"] == max(
@@ -574,9 +505,11 @@ def main(argv=None):
             for P in args.prefix:
                 x = make_problem(shape, P, DTYPES[dtype_name], args.device)
                 diff = (tree_attn(x).float() - sdpa(x).float()).abs().max().item()
-                ours = median_ms(lambda: tree_attn(x), args.device, args.iters, args.max_seconds)
-                peer = median_ms(lambda: sdpa(x), args.device, args.iters, args.max_seconds)
-                naive = median_ms(lambda: matmul_softmax_matmul(x), args.device, args.iters, args.max_seconds)
+                # One warm-up call each; at most --iters timed runs, fewer (3 at least) past --max-seconds.
+                timed = dict(warmup=1, max_seconds=args.max_seconds)
+                ours = median_ms(lambda: tree_attn(x), args.device, args.iters, **timed)
+                peer = median_ms(lambda: sdpa(x), args.device, args.iters, **timed)
+                naive = median_ms(lambda: matmul_softmax_matmul(x), args.device, args.iters, **timed)
                 print(f"{shape_name:<17} {dtype_name:<13} {P:>6} | {ours:>12.2f} | {peer:>9.2f} {peer / ours:>5.2f}x | "
                       f"{naive:>9.2f} {naive / ours:>5.2f}x | {diff:>12.2e}", flush=True)
                 del x

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_op  # noqa: E402
+import timing  # noqa: E402
 
 from torch_tree_attn.backends import cuda as tb  # noqa: E402
 from torch_tree_attn.backends.cuda import plan as heur  # noqa: E402
@@ -66,8 +67,8 @@ def candidate_splits(x, block_n, heuristic):
 def time_call(x, config, splits, iters):
     fn = lambda: tb.forward_with_lse(x["q"], x["k"], x["v"], x["mask"], x["off"], None, None, None,  # noqa: E731
                                      num_splits=splits, config=config)
-    replay, out = bench_op.graphed(fn, warmup=2)
-    return bench_op.time_us(replay, iters, repeats=5), out
+    graph, out = timing.graphed(fn, warmup=2)
+    return timing.replay_us(graph.replay, iters, repeats=5), out
 
 
 def tune(name, x, configs, iters, deadline, results):
@@ -142,10 +143,10 @@ def main():
             del x
     # Where one default call's time goes (every kernel it launches), at the smallest shape.
     x = problem(1, 64, 1024, 32, 8, 128, torch.bfloat16)
-    replay, _ = bench_op.graphed(lambda: tb.forward_with_lse(x["q"], x["k"], x["v"], x["mask"], x["off"]))
+    graph, _ = timing.graphed(lambda: tb.forward_with_lse(x["q"], x["k"], x["v"], x["mask"], x["off"]))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
-            replay()
+            graph.replay()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
     if args.json:

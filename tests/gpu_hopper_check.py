@@ -25,7 +25,6 @@ Phases:
 import argparse
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import time
@@ -149,39 +148,16 @@ def phase_parity():
 
 def phase_bench():
     import torch
+    from benchmarks.timing import graphed, replay_us   # ROOT is on sys.path (above)
     from tests.cases import random_tree_mask
     from torch_tree_attn.backends.cuda import hopper_kernels as hk
     from torch_tree_attn.backends import cuda as cuda_backend
 
     B, Hq, Hkv, T = 1, 32, 8, 64
 
-    def graphed(fn, warmup=3):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        torch.cuda.synchronize()
-        return graph, out
-
     def time_us(graph, iters=50, repeats=7):
-        graph.replay()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / iters)
-        return statistics.median(samples)
+        """µs per replay of a captured graph: the median of `repeats` means of `iters` replays."""
+        return replay_us(graph.replay, iters, repeats)
 
     # Other configurations beside the table's (hopper_kernels.DEFAULT_CONFIG), per head dim.
     others = {128: [(8, 64, 3), (8, 64, 4), (4, 64, 3), (4, 64, 4)], 64: [(8, 64, 4), (4, 64, 2), (4, 64, 4)]}
