@@ -10,8 +10,9 @@ Two modes:
 The second runs ``ncu`` (``$NCU``, default /usr/local/cuda/bin/ncu, else ``ncu`` on PATH) on
 the first, once per shape, profiling the fourth launch of a kernel named ``_tree_attn_main*``
 (the Hopper kernel ``_tree_attn_main_sm90`` or the Triton one) with the SpeedOfLight,
-ComputeWorkloadAnalysis, SchedulerStats and WarpStateStats sections, saves each raw CSV
-under DIR and prints one row per shape.
+ComputeWorkloadAnalysis, SchedulerStats and WarpStateStats sections, appends each raw CSV to
+DIR/ncu-raw.csv (and which metric filled each column to DIR/metrics-used.txt) and prints one
+row per shape.
 """
 import argparse
 import csv
@@ -33,8 +34,9 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpSt
 COLUMNS = [
     ("time us", ("gpu__time_duration.sum",)),
     ("SM %", ("sm__throughput.avg.pct_of_peak_sustained_elapsed",)),
-    ("DRAM %", ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
-                "dram__throughput.avg.pct_of_peak_sustained_elapsed")),
+    ("memory %", ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+                  "dram__throughput.avg.pct_of_peak_sustained_elapsed")),
+    ("DRAM %", ("dram__throughput.avg.pct_of_peak_sustained_elapsed",)),
     ("tensor pipe %", ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
                        "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
                        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
@@ -43,8 +45,10 @@ COLUMNS = [
                        "smsp__issue_active.avg.pct_of_peak_sustained_active")),
     ("warps/sched", ("smsp__warps_active.avg.per_cycle_active",)),
 ]
-STALL_PREFIX = "smsp__average_warp_latency_issue_stalled_"
-STALL_PREFIX_ALT = "smsp__pcsamp_warps_issue_stalled_"
+# Stall reasons (WarpStateStats): cycles a warp spends stalled per issued instruction, by
+# reason; ncu releases have spelled the metrics both ways.
+STALL_PATTERNS = (("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"),
+                  ("smsp__average_warp_latency_issue_stalled_", ".ratio"))
 
 
 def workload(spec: str, calls: int = 6) -> None:
@@ -91,21 +95,24 @@ def profile(out_dir: str) -> int:
             cmd += ["--section", section]
         cmd += [sys.executable, os.path.abspath(__file__), "--run", spec]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        name = spec.replace(",", "_")
-        with open(os.path.join(out_dir, f"ncu-{name}.csv"), "w") as f:
-            f.write(proc.stdout)
+        # One file for every shape (the device tool returns only a few files a run).
+        with open(os.path.join(out_dir, "ncu-raw.csv"), "a") as f:
+            f.write(f"# shape {spec}\n{proc.stdout}")
         row = _raw_rows(proc.stdout)
         if not row:
             print(f"{spec:<22} | ncu gave no row (rc {proc.returncode}): {proc.stderr[-400:]} {proc.stdout[-400:]}")
             continue
         stalls = []
         for key, val in row.items():
-            for prefix in (STALL_PREFIX, STALL_PREFIX_ALT):
-                if key.startswith(prefix) and key.endswith(".ratio"):
+            for prefix, suffix in STALL_PATTERNS:
+                if key.startswith(prefix) and key.endswith(suffix):
                     try:
-                        stalls.append((float(val.replace(",", "")), key[len(prefix):-len(".ratio")]))
+                        stalls.append((float(val.replace(",", "")), key[len(prefix):-len(suffix)]))
                     except ValueError:
                         pass
+        found = {title: next((n for n in names if n in row), None) for title, names in COLUMNS}
+        with open(os.path.join(out_dir, "metrics-used.txt"), "a") as f:
+            f.write(f"{spec}: {found}\n")
         stalls.sort(reverse=True)
         top = ", ".join(f"{n} {v:.2f}" for v, n in stalls[:4])
         kernel = row.get("Kernel Name", "?")[:24]
