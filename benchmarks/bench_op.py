@@ -189,7 +189,6 @@ def peaks_for(gpu_name: str):
     return "H200 (assumed)", *PEAKS["H200"]
 
 
-PEAK_NAME, PEAK_FLOPS, PEAK_BYTES = peaks_for(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 
 
 def flex_method(x):
@@ -242,7 +241,7 @@ def cascade_method(x):
     return run
 
 
-def limit_us(x):
+def limit_us(x, peaks):
     """The GPU's limit for this call (PEAKS): max(FLOPs / peak, bytes / bandwidth), in µs. FLOPs count
     what a row sees (prefix plus its tree ancestors): 4 * D per (row, visible key); bytes
     are K and V of the P + T keys once per (batch row, kv head), plus q and out. The bf16
@@ -253,7 +252,8 @@ def limit_us(x):
     visible = P * Tx + int(x["tree"][0].sum())
     flops = 4.0 * sh.D * Bx * sh.Hq * visible
     nbytes = elem_bytes * (2 * Bx * sh.Hkv * (P + Tx) * sh.D + 2 * Bx * sh.Hq * Tx * sh.D)
-    return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e6
+    _, peak_flops, peak_bytes = peaks
+    return max(flops / peak_flops, nbytes / peak_bytes) * 1e6
 
 
 def tree_attn_triton(x):
@@ -265,9 +265,11 @@ def tree_attn_triton(x):
 
 def cuda_main(args):
     props = torch.cuda.get_device_properties(0)
+    peaks = peaks_for(props.name)   # here, not at import: importing bench_op must not start CUDA
+    peak_name, peak_flops, peak_bytes = peaks
     print(f"torch {torch.__version__}, {props.name} ({props.multi_processor_count} SMs); Hq={HQ} Hkv={HKV}, "
-          f"random tree; every method under a CUDA graph; us = median of replays; limit: {PEAK_NAME}, "
-          f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s, {PEAK_BYTES / 1e12:.2f} TB/s")
+          f"random tree; every method under a CUDA graph; us = median of replays; limit: {peak_name}, "
+          f"{peak_flops / 1e12:.0f} TFLOP/s, {peak_bytes / 1e12:.2f} TB/s")
     methods = ("tree_attn", "tree_attn_triton", "sdpa", "flex", "cascade")
     peers = ("sdpa", "flex", "cascade")
     header = (f"{'B':>2} {'T':>3} {'P':>6} {'D':>3} {'dtype':>8} | " + " | ".join(f"{m[:16]:>16} us" for m in methods)
@@ -305,7 +307,7 @@ def cuda_main(args):
                 row["max_abs_diff"][name] = (out - ref).abs().max().item()
             except Exception as e:  # noqa: BLE001  (a peer missing in this torch is reported, not fatal)
                 row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-        row["limit_us"] = limit_us(x)
+        row["limit_us"] = limit_us(x, peaks)
         ours = row["us"].get("tree_attn")
         peer_us = [row["us"][m] for m in peers if m in row["us"]]
         row["best_peer_over_ours"] = (min(peer_us) / ours) if ours and peer_us else None
@@ -327,7 +329,7 @@ def cuda_main(args):
 
         with open(args.json, "w") as f:
             json.dump(dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                           Hq=HQ, Hkv=HKV, limit=dict(gpu=PEAK_NAME, flops=PEAK_FLOPS, bytes_per_s=PEAK_BYTES),
+                           Hq=HQ, Hkv=HKV, limit=dict(gpu=peak_name, flops=peak_flops, bytes_per_s=peak_bytes),
                            rows=rows), f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
