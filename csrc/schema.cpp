@@ -106,7 +106,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("mask", &Prepared::mask)
       .def_property_readonly("mask_offset", [](const Prepared& p) { return defined_or_none(p.mask_offset); })
       .def_property_readonly("sinks", [](const Prepared& p) { return defined_or_none(p.sinks); })
-      .def_readonly("problem", &Prepared::p);
+      .def_readonly("problem", &Prepared::p)
+      .def("empty_output", &tree_attn::empty_output, "The output every backend fills: [B, Hq, T, D], the query's dtype.")
+      .def("empty_lse", &tree_attn::empty_lse, "The lse every backend fills: [B, Hq, T], float32.");
   m.def("_prepare", &prepare_for_launcher,
         "The shared prepare() with in-kernel offset clamping (the Triton interpreter launcher's).");
   tree_attn::cuda::bind(m);

@@ -20,8 +20,7 @@ def prepare_call(query, key, value, mask, mask_offset, scale, softcap, sinks):
     prepared = _C._prepare(query, key, value, mask, mask_offset, scale, softcap, sinks)
     pb = prepared.problem
     q = prepared.query
-    out = torch.empty((pb.B, pb.Hq, pb.T, pb.D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((pb.B, pb.Hq, pb.T), dtype=torch.float32, device=q.device)
+    out, lse = prepared.empty_output(), prepared.empty_lse()   # the C++ backends' allocation
     if not pb.empty and pb.scale < 0:
         q = torch.neg(q)
     return prepared, q, out, lse
