@@ -11,9 +11,12 @@ bad-input table, and targeted behaviour.
 import contextlib
 import importlib
 import math
+import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,6 +171,28 @@ def test_kernel_is_compiled_with_openmp():
     # The OpenMP runtime's entry for a parallel region: libgomp (GCC) or libomp (Clang).
     assert b"GOMP_parallel" in binary or b"__kmpc_fork_call" in binary, (
         "torch_tree_attn._C was built without -fopenmp: the CPU kernel runs on one thread")
+
+
+# The kernel's vectors and register tiles follow the ISA it is built for (IsaTraits in
+# csrc/cpu/tree_attn_cpu.cpp); this build exercises one of them. The others must at least
+# compile, with their static_asserts (tiles within the register file, every head dim a whole
+# number of value tiles) holding: 4 lanes / 16 registers (SSE2), AVX2, AVX-512 with BF16.
+# (AArch64 NEON takes the 32-register tiles of AVX-512 at 4 lanes; there is no AArch64 C++
+# library here to check it against.)
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None,
+                    reason="needs an x86 C++ compiler")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "sapphirerapids"])
+def test_kernel_compiles_for_every_isa(march):
+    from torch.utils import cpp_extension
+
+    root = Path(__file__).resolve().parents[1]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}",
+                                                                    f"-I{root / 'csrc'}"]
+    r = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", "-w", "-fopenmp", f"-march={march}", *includes,
+                        str(root / "csrc" / "cpu" / "tree_attn_cpu.cpp")], capture_output=True, text=True)
+    if "-march=" in r.stderr and r.returncode != 0 and "error: bad value" in r.stderr:
+        pytest.skip(f"this compiler does not know -march={march}")
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])

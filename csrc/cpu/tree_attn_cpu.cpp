@@ -73,9 +73,52 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // ---------------------------------------------------------------------------------------
-// SIMD: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or NEON by the compiler.
+// SIMD: GCC/Clang vector extensions one native register wide, and register tiles sized
+// to the register file of the ISA the extension is built for (setup.py compiles with
+// -march=native on x86). A vector wider than the registers is legal C++ but not a plan:
+// GCC lowers a 16-float vector on AVX2 through the stack, about 40x slower.
+//
+//   ISA            lanes  registers  score tile          value tile
+//   AVX-512        16     32         8 keys x 2 vectors  8 rows x 2 vectors
+//   AVX2           8      16         6 keys x 2 vectors  6 rows x 2 vectors
+//   AArch64 NEON   4      32         8 keys x 2 vectors  8 rows x 2 vectors
+//   other (SSE2)   4      16         6 keys x 2 vectors  6 rows x 2 vectors
+//
+// A tile's accumulators plus its loaded vectors and one broadcast fit the registers.
+struct IsaTraits {
+#if defined(__AVX512F__)
+  static constexpr int64_t kLanes = 16;
+  static constexpr int kRegisters = 32;
+#elif defined(__AVX2__)
+  static constexpr int64_t kLanes = 8;
+  static constexpr int kRegisters = 16;
+#elif defined(__aarch64__)
+  static constexpr int64_t kLanes = 4;
+  static constexpr int kRegisters = 32;
+#else
+  static constexpr int64_t kLanes = 4;
+  static constexpr int kRegisters = 16;
+#endif
+  static constexpr bool kMany = kRegisters >= 32;
+  static constexpr int kKeyTile = kMany ? 8 : 6;  // keys per score tile
+  static constexpr int kRowTile = kMany ? 8 : 6;  // rows per value tile
+  static constexpr int kWide = 2;                 // vectors per tile row (scores: rows; values: dims)
+};
 
-constexpr int64_t kLanes = 16;
+constexpr int64_t kLanes = IsaTraits::kLanes;
+constexpr int kKeyTile = IsaTraits::kKeyTile;
+constexpr int kRowTile = IsaTraits::kRowTile;
+constexpr int kWide = IsaTraits::kWide;
+// Row pitch of the scratch buffers: a whole number of vectors (scores, softmax); the value
+// tiles' last rows take a shorter tile where kRowTile does not divide it.
+constexpr int64_t kRowAlign = kLanes;
+static_assert(kKeyTile * kWide + kWide + 1 <= IsaTraits::kRegisters, "score tile fits the registers");
+static_assert(kRowTile * kWide + kWide + 1 <= IsaTraits::kRegisters, "value tile fits the registers");
+// Every supported head dim (64, 96, 128, 256, 512) is a whole number of value tiles.
+static_assert(32 % (kWide * kLanes) == 0, "value tiles cover every supported D");
+static_assert(!TREE_ATTN_BF16_DOT || (kLanes == 16 && kLanes % kRowTile == 0),
+              "the bf16 microkernels are written for 16-lane registers and whole value tiles");
+
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using IVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -85,8 +128,10 @@ inline Vec load(const float* p) {
   return v;
 }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-static_assert(kLanes == 16, "splat lists every lane");
-inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+// A scalar operand of a vector operation is broadcast, and x - (+0) is x for every x (-0
+// and NaN included), so this compiles to one broadcast. (0 + x is not x for x = -0, and a
+// loop over the lanes compiles to inserts, lane by lane.)
+inline Vec splat(float x) { return x - Vec{}; }
 inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
 inline Vec vmin(Vec a, Vec b) { return a < b ? a : b; }
 
@@ -173,11 +218,7 @@ bool all_finite(const T* x, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------
-// float32 microkernels: MR x NV register tiles (MR * NV <= 16 of 32 AVX-512 registers).
-
-constexpr int kKeyTile = 8;   // keys per score tile
-constexpr int kRowTile = 8;   // rows per value tile (divides kLanes)
-constexpr int kWide = 2;      // vectors per tile row: 32 rows (scores) or 32 dims (values)
+// float32 microkernels: MR x NV register tiles (IsaTraits above).
 
 // Scores are summed in blocks of kDotChunk head dims, the blocks' sums added in st. One
 // running float32 sum over all D terms rounds at the size of the partial sum: when the
@@ -229,6 +270,16 @@ inline void value_tile(const float* pt, int64_t rp, const float* vv, int64_t v_s
     for (int v = 0; v < NV; ++v) store(o + i * D + v * kLanes, acc[i][v]);
 }
 
+// The last rows, fewer than kRowTile: the instantiation with exactly `count` rows.
+template <int NV, int MR = kRowTile - 1>
+void value_tail(int64_t count, const float* pt, int64_t rp, const float* vv, int64_t v_stride, int64_t nj, float* o,
+                int64_t D) {
+  if constexpr (MR > 1) {
+    if (count < MR) return value_tail<NV, MR - 1>(count, pt, rp, vv, v_stride, nj, o, D);
+  }
+  value_tile<MR, NV>(pt, rp, vv, v_stride, nj, o, D);
+}
+
 // The last, partial tile of keys: the instantiation with exactly `count` keys.
 template <int NV, int MR = kKeyTile - 1>
 void score_tail(int64_t count, const float* k, int64_t k_stride, const float* qt, int64_t rp, int64_t D,
@@ -256,13 +307,18 @@ void block_scores(const float* k, int64_t k_stride, int64_t nj, const float* qt,
   }
 }
 
-// O[r][d] += sum_j P^T[j][r] V[j][d] for nj keys, all rp rows (a multiple of kRowTile) and
-// D dims (64, 96, 128, 256 or 512: a multiple of kWide * kLanes).
-void block_values(const float* pt, int64_t rp, const float* vv, int64_t v_stride, int64_t nj, int64_t D,
-                  float* o) {
-  for (int64_t r = 0; r < rp; r += kRowTile)
+// O[r][d] += sum_j P^T[j][r] V[j][d] for nj keys, rows r < nr (P^T's row pitch rp) and D
+// dims (64, 96, 128, 256 or 512: a multiple of kWide * kLanes). Rows past nr are padding
+// that is never written out, so they are skipped; the last rows take a shorter tile.
+void block_values(const float* pt, int64_t rp, int64_t nr, const float* vv, int64_t v_stride, int64_t nj,
+                  int64_t D, float* o) {
+  int64_t r = 0;
+  for (; r + kRowTile <= nr; r += kRowTile)
     for (int64_t d = 0; d < D; d += kWide * kLanes)
       value_tile<kRowTile, kWide>(pt + r, rp, vv + d, v_stride, nj, o + r * D + d, D);
+  if (r < nr)
+    for (int64_t d = 0; d < D; d += kWide * kLanes)
+      value_tail<kWide>(nr - r, pt + r, rp, vv + d, v_stride, nj, o + r * D + d, D);
 }
 
 #if TREE_ATTN_BF16_DOT
@@ -382,7 +438,7 @@ struct Plan {
   int64_t rows = 0;        // G * T stacked rows per kv head
   int64_t row_block = 0;   // rows per work item
   int64_t row_blocks = 0;
-  int64_t rp = 0;          // row pitch of the scratch buffers: row_block rounded up to kLanes
+  int64_t rp = 0;          // row pitch of the scratch buffers: row_block rounded up to kRowAlign
   int64_t key_block = 0;   // keys per block (even)
   int64_t splits = 1;      // key-range splits per (b, h, row block)
   int64_t items = 0;
@@ -395,7 +451,7 @@ Plan make_plan(const Problem& p, int64_t max_keys) {
   plan.rows = p.G * p.T;
   plan.row_blocks = (plan.rows + kMaxRowBlock - 1) / kMaxRowBlock;
   plan.row_block = (plan.rows + plan.row_blocks - 1) / plan.row_blocks;
-  plan.rp = (plan.row_block + kLanes - 1) / kLanes * kLanes;
+  plan.rp = (plan.row_block + kRowAlign - 1) / kRowAlign * kRowAlign;
   // A K/V block of 128 KiB in float32 stays in L2 next to Q^T, S^T and O.
   plan.key_block = 32768 / p.D / 2 * 2;
   const int64_t tiles = p.B * p.Hkv * plan.row_blocks;
@@ -701,7 +757,8 @@ struct Kernel {
   }
 
   // O += P V for the block's nj keys (P from softmax_update, V rows at v, v_stride apart).
-  void accumulate_values(const scalar_t* v, int64_t v_stride, int64_t nj, const Scratch& s, float* o) const {
+  void accumulate_values(const scalar_t* v, int64_t v_stride, int64_t nj, int64_t nr, const Scratch& s,
+                        float* o) const {
 #if TREE_ATTN_BF16_DOT
     if constexpr (kBf16Dot) {
       pack_values(reinterpret_cast<const uint16_t*>(v), v_stride, nj, p.D, s.vp);
@@ -710,7 +767,7 @@ struct Kernel {
 #endif
     int64_t vf_stride = 0;
     const float* vf = rows_as_float(v, v_stride, nj, s.kv, &vf_stride);
-    block_values(s.st, plan.rp, vf, vf_stride, nj, p.D, o);
+    block_values(s.st, plan.rp, nr, vf, vf_stride, nj, p.D, o);
   }
 
   // One work item: rows [r0, r0 + nr) of (b, h) over key blocks [kb0, kb1).
@@ -758,7 +815,7 @@ struct Kernel {
       }
       softmax_update(s.st, nj, raw ? score_scale : 1.0f, raw, state.m, state.l, s.alpha, s.pp);
       rescale(state.o, s.alpha, nr);
-      accumulate_values(v, v_stride, nj, s, state.o);
+      accumulate_values(v, v_stride, nj, nr, s, state.o);
     }
   }
 
