@@ -11,7 +11,8 @@ split model picks for each config. JSON with every measurement goes to --json.
 
 Groups: d128 (the benchmark's shapes, bf16, D=128, the full grid), dims (D=64/256/512 bf16
 and float32 D=128 at P=16384, smaller grids), f32 (float32 D=128 and D=64 at P=16384, the
-3xTF32 grid). Every timing is one run on a shared GPU:
+3xTF32 grid), d512 (bf16 D=512 at P=16384: bench_op's Hq32/Hkv8 row and Gemma 4's Hq8/Hkv2).
+Every timing is one run on a shared GPU:
 compare configs within a run, not across runs.
 """
 import argparse
@@ -54,7 +55,10 @@ def grid_small(D, half):
     if D == 256:
         return [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 8, 3)]
     if D == 512:
-        return [(32, 32, 4, 1), (32, 32, 8, 1), (64, 32, 8, 1), (64, 16, 8, 1), (16, 32, 4, 1), (64, 32, 4, 2)]
+        # ptxas (triton 3.9, sm_90): (32, 32, 4, 1) spills ~400 bytes; the 8-warp 32-row tiles
+        # (32, 32, 8, 1/2/3), (32, 16, 8, 2) and (16, 32, 8, 2) none.
+        return [(32, 32, 4, 1), (32, 32, 8, 1), (32, 32, 8, 2), (32, 32, 8, 3), (32, 16, 8, 2), (16, 32, 8, 2),
+                (64, 32, 8, 1), (16, 32, 4, 1)]
     return [(32, 32, 4, 2), (64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 3)]
 
 
@@ -111,7 +115,7 @@ def tune(name, x, configs, iters, deadline, results):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", nargs="+", default=["d128", "dims"], choices=["d128", "dims", "f32"])
+    ap.add_argument("--groups", nargs="+", default=["d128", "dims"], choices=["d128", "dims", "f32", "d512"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--max-seconds", type=float, default=420)
     ap.add_argument("--json", default=None)
@@ -136,6 +140,10 @@ def main():
             tune(f"{str(dtype)[6:]} D{D} Hq{Hq} Hkv{Hkv} B1 T64 P16384", x, grid_small(D, dtype != torch.float32),
                  args.iters, deadline, results)
             del x
+    if "d512" in args.groups:
+        for Hq, Hkv in ((32, 8), (8, 2)):   # bench_op's D=512 row, and a Gemma 4 global layer
+            x = problem(1, 64, 16384, Hq, Hkv, 512, torch.bfloat16)
+            tune(f"bf16 D512 Hq{Hq} Hkv{Hkv} B1 T64 P16384", x, grid_small(512, True), args.iters, deadline, results)
     if "f32" in args.groups:
         for D in (128, 64):
             x = problem(1, 64, 16384, 32, 8, D, torch.float32)
