@@ -55,6 +55,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -270,24 +271,14 @@ inline void value_tile(const float* pt, int64_t rp, const float* vv, int64_t v_s
     for (int v = 0; v < NV; ++v) store(o + i * D + v * kLanes, acc[i][v]);
 }
 
-// The last rows, fewer than kRowTile: the instantiation with exactly `count` rows.
-template <int NV, int MR = kRowTile - 1>
-void value_tail(int64_t count, const float* pt, int64_t rp, const float* vv, int64_t v_stride, int64_t nj, float* o,
-                int64_t D) {
-  if constexpr (MR > 1) {
-    if (count < MR) return value_tail<NV, MR - 1>(count, pt, rp, vv, v_stride, nj, o, D);
+// fn(std::integral_constant<int, N>{}) for N = count, 1 <= count <= MAX: a partial tile
+// (the last keys or rows) runs the instantiation with exactly that many.
+template <int MAX, typename Fn>
+void with_count(int64_t count, Fn&& fn) {
+  if constexpr (MAX > 1) {
+    if (count < MAX) return with_count<MAX - 1>(count, std::forward<Fn>(fn));
   }
-  value_tile<MR, NV>(pt, rp, vv, v_stride, nj, o, D);
-}
-
-// The last, partial tile of keys: the instantiation with exactly `count` keys.
-template <int NV, int MR = kKeyTile - 1>
-void score_tail(int64_t count, const float* k, int64_t k_stride, const float* qt, int64_t rp, int64_t D,
-                float* st) {
-  if constexpr (MR > 1) {
-    if (count < MR) return score_tail<NV, MR - 1>(count, k, k_stride, qt, rp, D, st);
-  }
-  score_tile<MR, NV>(k, k_stride, qt, rp, D, st);
+  fn(std::integral_constant<int, MAX>{});
 }
 
 // S^T[j][r] for nj keys and all rp rows (rp a multiple of kLanes).
@@ -301,8 +292,10 @@ void block_scores(const float* k, int64_t k_stride, int64_t nj, const float* qt,
       else score_tile<kKeyTile, 1>(k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
     }
     if (j < nj) {
-      if (wide) score_tail<kWide>(nj - j, k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
-      else score_tail<1>(nj - j, k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
+      with_count<kKeyTile - 1>(nj - j, [&](auto keys) {
+        if (wide) score_tile<keys, kWide>(k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
+        else score_tile<keys, 1>(k + j * k_stride, k_stride, qt + r, rp, D, st + j * rp + r);
+      });
     }
   }
 }
@@ -318,7 +311,9 @@ void block_values(const float* pt, int64_t rp, int64_t nr, const float* vv, int6
       value_tile<kRowTile, kWide>(pt + r, rp, vv + d, v_stride, nj, o + r * D + d, D);
   if (r < nr)
     for (int64_t d = 0; d < D; d += kWide * kLanes)
-      value_tail<kWide>(nr - r, pt + r, rp, vv + d, v_stride, nj, o + r * D + d, D);
+      with_count<kRowTile - 1>(nr - r, [&](auto rows) {
+        value_tile<rows, kWide>(pt + r, rp, vv + d, v_stride, nj, o + r * D + d, D);
+      });
 }
 
 #if TREE_ATTN_BF16_DOT
@@ -372,15 +367,6 @@ inline void value_tile_bf16(const uint16_t* pp, int64_t rp, const uint16_t* vp, 
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + i * D + v * kLanes, acc[i][v]);
 }
 
-template <int NV, int MR = kKeyTile - 1>
-void score_tail_bf16(int64_t count, const uint16_t* k, int64_t k_stride, const uint16_t* qp, int64_t rp,
-                     int64_t D, float* st) {
-  if constexpr (MR > 1) {
-    if (count < MR) return score_tail_bf16<NV, MR - 1>(count, k, k_stride, qp, rp, D, st);
-  }
-  score_tile_bf16<MR, NV>(k, k_stride, qp, rp, D, st);
-}
-
 void block_scores_bf16(const uint16_t* k, int64_t k_stride, int64_t nj, const uint16_t* qp, int64_t rp, int64_t D,
                        float* st) {
   for (int64_t r = 0; r < rp; r += kWide * kLanes) {
@@ -392,8 +378,10 @@ void block_scores_bf16(const uint16_t* k, int64_t k_stride, int64_t nj, const ui
       else score_tile_bf16<kKeyTile, 1>(k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
     }
     if (j < nj) {
-      if (wide) score_tail_bf16<kWide>(nj - j, k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
-      else score_tail_bf16<1>(nj - j, k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
+      with_count<kKeyTile - 1>(nj - j, [&](auto keys) {
+        if (wide) score_tile_bf16<keys, kWide>(k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
+        else score_tile_bf16<keys, 1>(k + j * k_stride, k_stride, q, rp, D, st + j * rp + r);
+      });
     }
   }
 }
