@@ -142,6 +142,8 @@ def phase_parity():
     for c in subset:
         t.run(f"cw8 {c}", lambda c=c: _check(c, num_splits=2, config=(8, 64, 3)))
         t.run(f"st4 {c}", lambda c=c: _check(c, config=(4, 64, 4)))
+    for c in [c for c in cases if c.D == 512][::4]:
+        t.run(f"d512 (8, 16, 4) {c}", lambda c=c: _check(c, num_splits=2, config=(8, 16, 4)))
     t.report()
     torch.cuda.synchronize()
 
@@ -160,14 +162,16 @@ def phase_bench():
         return replay_us(graph.replay, iters, repeats)
 
     # Other configurations beside the table's (hopper_kernels.DEFAULT_CONFIG), per head dim.
-    others = {128: [(8, 64, 3), (8, 64, 4), (4, 64, 3), (4, 64, 4)], 64: [(8, 64, 4), (4, 64, 2), (4, 64, 4)]}
+    others = {128: [(8, 64, 3), (8, 64, 4), (4, 64, 3), (4, 64, 4)], 64: [(8, 64, 4), (4, 64, 2), (4, 64, 4)],
+              256: [(4, 32, 4)], 512: [(8, 16, 4), (8, 16, 3)]}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"bench: B={B}, Hq={Hq}, Hkv={Hkv}, T={T} random tree, bf16, CUDA graphs, device "
           f"{torch.cuda.get_device_name()}; table config (consumer warps, BLOCK_N, stages) = {hk.DEFAULT_CONFIG}",
           flush=True)
     print(f"{'D':>4} {'P':>6} {'triton us':>10} {'gluon us':>10} {'tri/glu':>7}  others (config: us)   "
           f"max|gluon - triton|", flush=True)
-    for D, P in [(128, 1024), (128, 4096), (128, 16384), (128, 65536), (64, 4096), (64, 16384)]:
+    for D, P in [(128, 1024), (128, 4096), (128, 16384), (128, 65536), (64, 4096), (64, 16384), (256, 16384),
+                 (512, 16384)]:
         try:
             gen = torch.Generator().manual_seed(P)
             S = P + T
@@ -204,7 +208,7 @@ def phase_bench():
             # The plan's split count, and a small sweep around it (the table's config).
             cw, bn, stages = hk.DEFAULT_CONFIG[D]
             R = (Hq // Hkv) * T
-            splits, wu = hk.choose_splits(S, T, -(-R // (16 * cw)) * B * Hkv, num_sms, bn,
+            splits, wu = hk.choose_splits(S, T, -(-R // hk.block_m_for(D, cw)) * B * Hkv, num_sms, bn,
                                           per_sm=hk.programs_per_sm(D, cw, bn, stages))
             sweep = []
             for s in sorted({max(1, splits // 2), splits, splits * 2}):

@@ -132,7 +132,7 @@ def _run_kernel(kernel):
 
 def test_hopper_kernel_is_chosen_on_sm90_and_agrees_with_triton():
     """(tests/test_contract.py's cuda backend runs the parity matrix on the default kernel choice,
-    "auto": on sm_90 the Hopper kernel wherever it covers; cuda-triton on the Triton kernel.) On sm_90 a bf16/fp16 D=64/128/256 verify call takes the Hopper kernel (else the Triton
+    "auto": on sm_90 the Hopper kernel wherever it covers; cuda-triton on the Triton kernel.) On sm_90 a bf16/fp16 D=64/128/256/512 verify call takes the Hopper kernel (else the Triton
     kernel), both match the reference and each other; forcing 'hopper' on a call it does not
     cover raises with the reason."""
     from torch_tree_attn import _C
@@ -141,7 +141,9 @@ def test_hopper_kernel_is_chosen_on_sm90_and_agrees_with_triton():
                  Case(B=2, Hq=16, Hkv=4, T=60, S=3000, D=64, dtype=torch.float16, mask_kind="float", softcap=30.0,
                       sinks=torch.float32, seed=32),
                  Case(B=1, Hq=16, Hkv=8, T=64, S=2000, D=256, dtype=torch.bfloat16, mask_kind="float", softcap=50.0,
-                      seed=34)):  # Gemma 2's shape: one program per SM
+                      seed=34),  # Gemma 2's shape: one program per SM
+                 Case(B=1, Hq=8, Hkv=2, T=64, S=1500, D=512, dtype=torch.bfloat16, mask_kind="float", softcap=30.0,
+                      sinks=torch.float32, seed=35)):  # Gemma 4's global layers: two warpgroups split D
         inputs = make_inputs(case)
         cuda = to_cuda(inputs)
         plan, main, _ = _C.cuda_plan_launch(*args_of(cuda), arch=_arch(), kernel="auto",
@@ -158,8 +160,9 @@ def test_hopper_kernel_is_chosen_on_sm90_and_agrees_with_triton():
             # (rows that see no key have lse -inf in both: assert_close holds equal infinities equal)
             torch.testing.assert_close(lse_h, lse_t, atol=1e-3, rtol=0)
     if _arch() == 90:
-        inputs = make_inputs(Case(B=1, Hq=4, Hkv=2, T=8, S=200, D=512, dtype=torch.bfloat16, seed=33))
-        with pytest.raises(ValueError, match=r"Hopper kernel does not cover this call: head dim 512 \(covered: 64, 128, 256\)"):
+        inputs = make_inputs(Case(B=1, Hq=4, Hkv=2, T=8, S=200, D=96, dtype=torch.bfloat16, seed=33))
+        with pytest.raises(ValueError,
+                           match=r"Hopper kernel does not cover this call: head dim 96 \(covered: 64, 128, 256, 512\)"):
             _run_kernel("hopper")(inputs)
 
 

@@ -132,6 +132,29 @@ def test_plan_launch_is_the_plan_and_flags_what_the_kernels_need():
     assert plan.num_splits == 5 and main["block_m"] == 32 and main["num_stages"] == 2
     with pytest.raises(ValueError, match="window sub-tile"):
         _C.cuda_plan_launch(*_call(), arch=90, num_sms=132, config=[64, 64, 4, 3, 24])
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_plan_refuses_the_float32_tiles_triton_miscompiles(D):
+    """A float32 dot at BLOCK_M 64 with 8 warps gives wrong results under Triton 3.6 (H100,
+    tests/gpu_config_probe.py): a config naming it is a ValueError with the tile; a larger
+    block clamped to a small row count keeps 128 rows instead; 16-bit dots and 4 warps are
+    unaffected."""
+    call = _call(D=D, dtype=torch.float32)
+    for bn, stages in ((32, 2), (16, 2), (64, 3)):
+        with pytest.raises(ValueError, match=rf"float32 dot at BLOCK_M 64 with 8 warps .*got \(64, {bn}, 8, {stages}\)"):
+            _C.cuda_plan_launch(*call, arch=90, num_sms=132, kernel="triton", config=[64, bn, 8, stages])
+    plan, main, _ = _C.cuda_plan_launch(*call, arch=90, num_sms=132, kernel="triton", config=[64, 32, 4, 3])
+    assert main["block_m"] == 64 and main["num_warps"] == 4
+    # 64 rows a kv head (G = 1, T = 64): (128, 32, 8, 2) would clamp to 64; it stays 128.
+    small = _call(Hq=8, Hkv=8, T=64, D=D, dtype=torch.float32)
+    plan, main, _ = _C.cuda_plan_launch(*small, arch=90, num_sms=132, kernel="triton", config=[128, 32, 8, 2])
+    assert main["block_m"] == 128 and plan.row_blocks == 1
+    plan, main, _ = _C.cuda_plan_launch(*small, arch=90, num_sms=132, kernel="triton", config=[128, 32, 4, 2])
+    assert main["block_m"] == 64
+    # The 16-bit dot at the same tile is not affected.
+    plan, main, _ = _C.cuda_plan_launch(*_call(D=D), arch=90, num_sms=132, kernel="triton", config=[64, 32, 8, 2])
+    assert main["block_m"] == 64 and main["num_warps"] == 8
     # A query row stride not divisible by 16 elements: the unaligned variant.
     q, k, v, m, off, *rest = _call(T=8, D=64, Hq=4, Hkv=1, P=100)
     q_odd = torch.randn(1, 4, 8, 72, dtype=q.dtype)[..., :64]
@@ -157,8 +180,9 @@ def test_hopper_table_is_the_kernels_and_the_builds():
     assert sorted(hk.HEAD_DIMS) == sorted(hk.DEFAULT_CONFIG)
 
 
-@pytest.mark.parametrize("config", [(4, 64, 2), (4, 64, 3), (4, 64, 4), (4, 32, 3), (4, 32, 4), (8, 64, 2), (8, 64, 3)])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D, config", [(D, c) for D in (64, 128, 256) for c in
+                                       [(4, 64, 2), (4, 64, 3), (4, 64, 4), (4, 32, 3), (4, 32, 4), (8, 64, 2),
+                                        (8, 64, 3)]] + [(512, (8, 16, 4)), (512, (8, 32, 2))])
 def test_hopper_programs_per_sm_is_one_rule(D, config):
     """The C++ plan's programs per SM (the split count depends on it) and the build's (the
     register cap depends on it) are one rule: two programs where four consumer warps' shared
@@ -168,7 +192,7 @@ def test_hopper_programs_per_sm_is_one_rule(D, config):
     cw, bn, stages = config
     per_sm = _C.hopper_programs_per_sm(D, cw, bn, stages)
     assert per_sm == hk.programs_per_sm(D, cw, bn, stages)
-    shared = 2 * (16 * cw * D + 2 * stages * bn * D)
+    shared = 2 * (hk.block_m_for(D, cw) * D + 2 * stages * bn * D)
     assert per_sm == (2 if cw == 4 and 2 * (shared + 1024) <= 228 * 1024 else 1)
     # The register cap leaves every program its share of the SM's 64K registers.
     assert per_sm * (cw + 4) * 32 * hk.maxnreg_for(cw, per_sm) <= 65536

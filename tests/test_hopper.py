@@ -54,6 +54,10 @@ COMPILE_VARIANTS = [
     ("fp16", 64, True, True, 4, 64, 3, True),
     ("bf16", 256, False, False, 4, 32, 3, True),   # the table's D=256 row: one program per SM
     ("fp16", 256, True, True, 4, 32, 3, True),
+    # The table's D=512 row: two warpgroups split D (BLOCK_M 64). ptxas 12.8/13.x spill a few
+    # loop-invariant scalars (136-152 bytes): reported, not failed.
+    ("bf16", 512, False, False, 8, 32, 2, False),
+    ("fp16", 512, True, True, 8, 32, 2, False),
 ]
 
 
@@ -552,11 +556,12 @@ def test_covers():
     assert hk.covers(*args_of(inputs)) == hk.HAVE_GLUON
     assert hk.covers(*args_of(inputs), require_gluon=False)
     assert hk.covers(*args_of(make_inputs(Case(D=256, dtype=torch.float16))), require_gluon=False)
-    for case in (Case(D=128, dtype=torch.float32), Case(D=96, dtype=torch.bfloat16), Case(D=512, dtype=torch.float16),
+    assert hk.covers(*args_of(make_inputs(Case(D=512, dtype=torch.bfloat16))), require_gluon=False)
+    for case in (Case(D=128, dtype=torch.float32), Case(D=96, dtype=torch.bfloat16),
                  Case(D=128, dtype=torch.float32, kv_dtype=torch.bfloat16)):
         assert not hk.covers(*args_of(make_inputs(case)), require_gluon=False)
-    assert "(covered: 64, 128, 256)" in hk.why_not(*args_of(make_inputs(Case(D=512, dtype=torch.float16))),
-                                                   require_gluon=False)
+    assert "(covered: 64, 128, 256, 512)" in hk.why_not(*args_of(make_inputs(Case(D=96, dtype=torch.float16))),
+                                                        require_gluon=False)
     q, mask = inputs["query"], inputs["mask"]
     # K/V strides that are 16-byte multiples (row stride 136 elements): TMA addresses them.
     k = torch.zeros(1, 2, 40, 136, dtype=torch.bfloat16)[..., :128]

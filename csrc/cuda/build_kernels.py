@@ -114,10 +114,11 @@ def prebuilt_specs(archs):
         specs.append(dict(base, kind=tc.REDUCE, block_r=max(1, REDUCE_ELEMS // next_pow2(D)), chunk=REDUCE_CHUNK,
                           num_warps=REDUCE_WARPS, num_stages=1))
     if 90 in archs and have_gluon():
+        import torch_tree_attn.backends.cuda.hopper_kernels as hk   # loaded as tc was (no extension needed)
         for dtype, (D, (cw, bn, stages)) in itertools.product(HOPPER_DTYPES, sorted(hopper_table().items())):
             code = tc.DTYPE_CODES[dtype]
             base = dict.fromkeys(tc.SPEC_FIELDS, 0)
-            base.update(kind=tc.HOPPER, arch=90, q_dtype=code, kv_dtype=code, head_dim=D, block_m=16 * cw,
+            base.update(kind=tc.HOPPER, arch=90, q_dtype=code, kv_dtype=code, head_dim=D, block_m=hk.block_m_for(D, cw),
                         block_n=bn, block_d=D, num_warps=cw, num_stages=stages, aligned=1, wide=0)
             for mask_float, softcap in itertools.product((0, 1), (0, 1)):
                 specs.append(dict(base, mask_float=mask_float, softcap=softcap))

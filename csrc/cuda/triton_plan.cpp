@@ -62,8 +62,12 @@ std::vector<int64_t> hopper_head_dims() {
   return dims;
 }
 
+int hopper_d_split(int64_t D) { return D > kHopperMaxDOneWarpgroup ? 2 : 1; }
+
+int hopper_block_m(int64_t D, const HopperConfig& c) { return 16 * c.consumer_warps / hopper_d_split(D); }
+
 int hopper_programs_per_sm(int64_t D, const HopperConfig& c) {
-  const int64_t shared = 2 * (16 * int64_t(c.consumer_warps) * D + 2 * int64_t(c.stages) * c.block_n * D);
+  const int64_t shared = 2 * (int64_t(hopper_block_m(D, c)) * D + 2 * int64_t(c.stages) * c.block_n * D);
   const bool fits_twice = 2 * (shared + kSharedReservePerBlock) <= kSharedPerSm;
   return c.consumer_warps == 4 && fits_twice ? 2 : 1;
 }
@@ -80,7 +84,7 @@ Plan choose_hopper(int64_t D, int64_t rows_per_head, int64_t batch_heads, int64_
   TORCH_CHECK_VALUE(c.has_value(), "the Hopper kernel has no tiles for head dim D=", D);
   Plan p;
   p.kernel = MainKernel::Hopper;
-  p.block_m = 16 * c->consumer_warps;
+  p.block_m = hopper_block_m(D, *c);
   p.block_n = c->block_n;
   p.block_d = int(D);
   p.window_n = 0;
@@ -152,6 +156,18 @@ Plan choose(int64_t D, bool half_dot, int64_t T, int64_t rows_per_head, int64_t 
   p.window_n = c.window_n;
   p.num_warps = c.num_warps;
   p.num_stages = c.num_stages;
+  if (!half_dot && p.num_warps == 8 && p.block_m == 64) {
+    // Triton 3.6's float32 (3xTF32) dot is wrong at BLOCK_M 64 with 8 warps: measured on an
+    // H100 (tests/gpu_config_probe.py), every such tile gave wrong outputs or an illegal
+    // shared-memory read at D=64 and 128, where (128, 32, 8, 2), (32, 32, 8, 1) and every
+    // 4-warp tile were right. A config asking for it is refused; a larger block clamped
+    // down to it keeps 128 rows (padding rows are masked).
+    TORCH_CHECK_VALUE(!(config && c.block_m == 64),
+                      "config: a float32 dot at BLOCK_M 64 with 8 warps is miscompiled by Triton 3.6 (wrong "
+                      "results); use 4 warps or another BLOCK_M; got (", c.block_m, ", ", c.block_n, ", ", c.num_warps,
+                      ", ", c.num_stages, ")");
+    p.block_m = 128;
+  }
   p.row_blocks = cdiv(rows_per_head, p.block_m);
   p.window_units = int(std::ceil(window_tiles(std::min(M, S), p.block_n, p.window_n)));
   if (num_splits) {

@@ -95,6 +95,14 @@ std::vector<int64_t> hopper_head_dims();
 // register cap follows from it (hopper_kernels.maxnreg_for; hopper_kernels.programs_per_sm
 // mirrors this for the build, a test holds the two equal).
 int hopper_programs_per_sm(int64_t D, const HopperConfig& c);
+// Above this head dim one warpgroup's registers cannot hold a 64-row float32 accumulator
+// (64 x 512 floats = 256 a thread): two consumer warpgroups share each 64-row slice, each
+// owning half of the output's and of the scores' columns (hopper_kernels.d_split).
+inline constexpr int64_t kHopperMaxDOneWarpgroup = 256;
+// Warpgroups that split D for head dim D (1 or 2), and the block's rows: 16 per consumer
+// warp over them (hopper_kernels.block_m_for).
+int hopper_d_split(int64_t D);
+int hopper_block_m(int64_t D, const HopperConfig& c);
 inline constexpr int64_t kSharedPerSm = 233472;     // 228 KiB (sm_90)
 inline constexpr int64_t kSharedReservePerBlock = 1024;
 // A window tile of the Hopper kernel costs this many prefix tiles in the split balance (its

@@ -19,8 +19,14 @@ kv head run concurrently).
 
 Warps of a program (``gl.warp_specialize``):
 
-- default partition, the consumers: ``CONSUMER_WARPS`` = 4 or 8 warps = 1 or 2 warpgroups,
-  BLOCK_M = 16 * CONSUMER_WARPS rows (warpgroup w owns rows [64w, 64w + 64) of the block).
+- default partition, the consumers: ``CONSUMER_WARPS`` = 4 or 8 warps = 1 or 2 warpgroups.
+  Up to D=256, BLOCK_M = 16 * CONSUMER_WARPS rows (warpgroup w owns rows [64w, 64w + 64) of
+  the block). At D=512 (``d_split``: a 64 x 512 float32 accumulator is 256 registers a
+  thread, past one warpgroup's) the two warpgroups share BLOCK_M = 64 rows and split the
+  columns: warpgroup g holds output columns [256g, 256g + 256) and computes score columns
+  [g, g + 1) * BLOCK_N / 2 over the whole D (MMA layouts with warps_per_cta [4, 2]); the row
+  max and sum reduce across the two through shared memory, and P is converted whole into
+  each warpgroup's P.V operand. K/V bytes are read from shared memory once per warpgroup.
   They load Q once (plain masked loads: any strides, rows past G*T are 0) into shared
   memory, run every MMA (warpgroup_mma: Q.K^T with Q and K from shared memory, P.V with P
   from registers and V from shared memory), the online softmax in float32 (log2 units, the
@@ -73,15 +79,15 @@ contiguous range [t_lo, t_hi) of BLOCK_N-key tiles; tile t is a window tile iff 
 - Sinks and softcap: as the Triton kernel (sinks at the write-out, softcap on the scaled
   score before the bias; compile-time HAS_SOFTCAP).
 
-Variants (constexpr): D in {64, 128}, float16/bfloat16 Q = K/V, bool or float mask, softcap
-on/off, BLOCK_N 64, STAGES 2..4, CONSUMER_WARPS 4 or 8. Not covered (``covers()`` is False,
-the caller falls back to the Triton kernel): float32 queries (a 3xTF32 split would add
-hi/lo operand tiles: Q hi/lo in shared memory, K/V split by the consumers into hi/lo slots),
-D = 96 / 256 / 512 (D=256 needs BLOCK_M 64 per warpgroup and an O accumulator of 128
-registers: a 2-consumer-warpgroup variant with D split across them, or O in two halves),
-K/V whose base or strides are not 16-byte multiples (TMA), S >= 2^31.
+Variants (constexpr): D in {64, 128, 256, 512}, float16/bfloat16 Q = K/V, bool or float
+mask, softcap on/off, BLOCK_N 16..64, STAGES 2..4, CONSUMER_WARPS 4 or 8 (8 at D=512). Not
+covered (``covers()`` is False, the caller falls back to the Triton kernel): float32 queries
+(a 3xTF32 split would add hi/lo operand tiles: Q hi/lo in shared memory, K/V split by the
+consumers into hi/lo slots), D = 96, K/V whose base or strides are not 16-byte multiples
+(TMA), S >= 2^31.
 
-Resources (triton 3.6, sm_90a, ptxas -v): 0 spills for every default variant; the consumers
+Resources (triton 3.6, sm_90a, ptxas -v): 0 spills for the D=64/128/256 defaults (D=512:
+136-152 bytes of loop-invariant scalars, the consumers at R237 of 240); the consumers
 use up to R192 (D=128, bool mask) / R235 (float mask + softcap) of their 240 registers. Shared memory: Q (BLOCK_M x D) + STAGES x (K + V tiles) +
 barriers: 131,452 bytes at D=128 with 3 stages (1 program per SM), 98,628 with 2; 82,308 at
 D=64 with 4 stages. 384 threads per program with 8 consumer warps (the producer's warp is
@@ -136,11 +142,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 BIG = 67108864.0  # 2^26, as triton_kernels.BIG
 
 # Supported cases (covers()).
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256, 512)
 DTYPES = (torch.float16, torch.bfloat16)
 
 # Default configuration: (CONSUMER_WARPS, BLOCK_N, STAGES) per D.
-DEFAULT_CONFIG = {64: (4, 64, 3), 128: (4, 64, 2), 256: (4, 32, 3)}   # = csrc/cuda/tile_configs.def (a test holds them equal)
+DEFAULT_CONFIG = {64: (4, 64, 3), 128: (4, 64, 2), 256: (4, 32, 3), 512: (8, 32, 2)}   # = csrc/cuda/tile_configs.def (a test holds them equal)
 PRODUCER_REGS = 24
 # The window's cost in prefix tiles per window tile (the split balance; masks, selections and
 # the V fix-up make a window tile dearer than a prefix tile).
@@ -151,12 +157,29 @@ SHARED_PER_SM = 233472          # 228 KiB (sm_90) = triton_plan.h kSharedPerSm
 SHARED_RESERVE_PER_BLOCK = 1024
 
 
+# Above this head dim one warpgroup's registers cannot hold a 64-row float32 accumulator
+# (64 x 512 floats = 256 a thread): two consumer warpgroups share the rows, each owning half
+# of the output's (and of the scores') columns.
+MAX_D_ONE_WARPGROUP = 256
+
+
+def d_split(head_dim: int) -> int:
+    """Warpgroups sharing one 64-row slice of the block (= triton_plan.cpp hopper_d_split)."""
+    return 2 if head_dim > MAX_D_ONE_WARPGROUP else 1
+
+
+def block_m_for(head_dim: int, consumer_warps: int) -> int:
+    """BLOCK_M: 16 rows per consumer warp, over the warpgroups that split D
+    (= triton_plan.cpp hopper_block_m)."""
+    return 16 * consumer_warps // d_split(head_dim)
+
+
 def programs_per_sm(head_dim: int, consumer_warps: int, block_n: int, stages: int) -> int:
     """Programs one SM holds (= triton_plan.cpp hopper_programs_per_sm, which the C++ plan
     uses; this mirror serves the build, which runs before the extension exists): two with
     four consumer warps whose shared memory (Q, then STAGES K and V tiles, 16-bit) fits twice
     beside the per-block reserve, else one."""
-    shared = 2 * (16 * consumer_warps * head_dim + 2 * stages * block_n * head_dim)
+    shared = 2 * (block_m_for(head_dim, consumer_warps) * head_dim + 2 * stages * block_n * head_dim)
     fits_twice = 2 * (shared + SHARED_RESERVE_PER_BLOCK) <= SHARED_PER_SM
     return 2 if consumer_warps == 4 and fits_twice else 1
 
@@ -347,10 +370,15 @@ if HAVE_GLUON:
                   MASK_FLOAT: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
         num_warps: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, D, 16])
+        # D_SPLIT warpgroups share each 64-row slice: warpgroup g of a slice owns score columns
+        # [g, g+1) * BLOCK_N / D_SPLIT and output columns [g, g+1) * D / D_SPLIT.
+        D_SPLIT: gl.constexpr = 16 * num_warps // BLOCK_M
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                           warps_per_cta=[num_warps // D_SPLIT, D_SPLIT],
+                                                           instr_shape=[16, BLOCK_N // D_SPLIT, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                           warps_per_cta=[num_warps // D_SPLIT, D_SPLIT],
+                                                           instr_shape=[16, D // D_SPLIT, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         q_layout: gl.constexpr = _row_blocked(BLOCK_M, D, num_warps)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -487,7 +515,8 @@ if HAVE_GLUON:
         """Main pass (see the module's plan). Q is the query times sign(scale), as for the
         Triton kernel; k_desc / v_desc: TMA descriptors over [B, Hkv, S, D] with block
         [1, 1, BLOCK_N, D]."""
-        gl.static_assert(BLOCK_M == 16 * gl.num_warps(), "BLOCK_M is 16 rows per consumer warp")
+        gl.static_assert((BLOCK_M == 16 * gl.num_warps()) | ((BLOCK_M == 64) & (gl.num_warps() == 8)),
+                         "BLOCK_M is 16 rows per consumer warp, or 64 rows shared by two warpgroups (D split)")
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)
         split = gl.program_id(2)
@@ -583,7 +612,9 @@ def compile_variant(dtype_name: str = "bf16", head_dim: int = 128, mask_float: b
     bn = block_n or bn
     st = stages or st
     sig = signature(dtype_name, head_dim, bn, mask_float, wide)
-    constexprs = dict(D=head_dim, BLOCK_M=16 * cw, BLOCK_N=bn, STAGES=st, MASK_FLOAT=bool(mask_float),
+    if d_split(head_dim) > 1 and cw != 8:
+        raise ValueError(f"head dim {head_dim} needs 8 consumer warps (two warpgroups split D), got {cw}")
+    constexprs = dict(D=head_dim, BLOCK_M=block_m_for(head_dim, cw), BLOCK_N=bn, STAGES=st, MASK_FLOAT=bool(mask_float),
                       HAS_SOFTCAP=bool(softcap), PRODUCER_REGS_=PRODUCER_REGS)
     attrs = {}
     if aligned:
@@ -686,7 +717,7 @@ def forward_with_lse_hopper(query, key, value, mask, mask_offset=None, scale=Non
     if pb.empty:
         return out, lse
     cw, bn, st = config or DEFAULT_CONFIG[pb.D]
-    block_m = 16 * cw
+    block_m = block_m_for(pb.D, cw)
     R, total_rows = pb.G * pb.T, pb.B * pb.Hq * pb.T
     row_blocks = -(-R // block_m)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
