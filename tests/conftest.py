@@ -12,11 +12,8 @@ A test that takes ``backend`` alone runs once per backend; one that parametrises
 ``backend`` argument itself keeps its own. Ids are ``<backend>-<entry>``;
 a backend that is unavailable here (no simulator, no triton, no GPU) gets its items
 skipped with the reason. TREE_ATTN_TEST_BACKENDS and TREE_ATTN_TEST_SHARD select
-(tests/backends.py). TREE_ATTN_PYTEST_SHARD=i/n keeps every n-th collected test from the
-i-th, whatever its kind (.ci/sanitize runs its tests as parallel processes with it).
+(tests/backends.py).
 """
-import os
-
 import pytest
 
 from tests import backends
@@ -59,14 +56,3 @@ def pytest_generate_tests(metafunc):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "wheel: builds the wheel with pip (tests/test_wheel.py); CI runs it")
-
-
-def pytest_collection_modifyitems(config, items):
-    spec = os.environ.get("TREE_ATTN_PYTEST_SHARD")
-    if not spec:
-        return
-    i, n = (int(x) for x in spec.split("/"))
-    if not 0 <= i < n:
-        raise pytest.UsageError(f"TREE_ATTN_PYTEST_SHARD must be i/n with 0 <= i < n, got {spec!r}")
-    config.hook.pytest_deselected(items=[it for k, it in enumerate(items) if k % n != i])
-    items[:] = items[i::n]
