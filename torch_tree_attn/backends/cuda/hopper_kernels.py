@@ -679,7 +679,7 @@ def why_not(query, key, value, mask, mask_offset=None, scale=None, softcap=None,
     """None when the Hopper kernel handles the call on an sm_90 GPU, else the reason: the C++
     launcher's own test (csrc/cuda/tree_attn_cuda.cpp, hopper_why_not), which the plan uses
     to choose it. Covered: float16/bfloat16 query = key = value, D in the Hopper table (64,
-    128), bool or floating masks of any broadcast shape, any offsets (clamped on the device),
+    128, 256, 512), bool or floating masks of any broadcast shape, any offsets (clamped on the device),
     softcap, sinks, any GQA ratio and tree size; K/V whose base and strides TMA can address
     (16-byte multiples); 1 <= S < 2^31; B * Hkv <= 65535. Looks at metadata only (no device
     sync). require_gluon=False: the case's shape alone (the CPU model tests)."""
