@@ -21,12 +21,13 @@ CONFIGS = [(64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 2), (64, 64, 8, 2), (128,
 def _one(dtype_name, D, cfg, splits):
     import torch
     from tests.cases import Case, args_of, check_against_reference, make_inputs
+    from tests.gpu_hopper_check import _to
     from torch_tree_attn.backends import cuda as cuda_backend
 
     dtype = getattr(torch, dtype_name)
     case = Case(B=1, Hq=8, Hkv=2, T=64, S=64 + 700, D=D, dtype=dtype, seed=D + splits)
     inputs = make_inputs(case)
-    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    cuda = _to(inputs, "cuda")
     out, lse = cuda_backend.forward_with_lse(*args_of(cuda), num_splits=splits, config=tuple(cfg), kernel="triton")
     torch.cuda.synchronize()
     check_against_reference(out.cpu(), lse.cpu(), inputs)

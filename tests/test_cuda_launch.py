@@ -198,6 +198,19 @@ def test_hopper_programs_per_sm_is_one_rule(D, config):
     assert per_sm * (cw + 4) * 32 * hk.maxnreg_for(cw, per_sm) <= 65536
 
 
+def test_hopper_block_m_is_one_rule():
+    """The C++ plan's BLOCK_M (the grid) and the build's (the compiled kernel) are one rule:
+    16 rows per consumer warp, over the two warpgroups that split D above D=256; a D split
+    with other than 8 consumer warps is refused by name."""
+    from torch_tree_attn.backends.cuda import hopper_kernels as hk
+
+    for D, (cw, bn, stages) in hk.DEFAULT_CONFIG.items():
+        plan = _C.hopper_plan(D, 256, 8, 4096 + 64, 64, 132, None)
+        assert plan.block_m == hk.block_m_for(D, cw) == (64 if D == 512 else 16 * cw)
+    with pytest.raises(ValueError, match="head dim 512 needs 8 consumer warps .*got 4"):
+        hk.block_m_for(512, 4)
+
+
 @pytest.mark.parametrize("name", USER_CALLS)
 def test_hopper_is_chosen_on_sm90_for_what_it_covers(name):
     """auto: the Hopper kernel on sm_90 for float16/bfloat16 calls with D in its table (and

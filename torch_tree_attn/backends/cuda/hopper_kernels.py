@@ -170,7 +170,9 @@ def d_split(head_dim: int) -> int:
 
 def block_m_for(head_dim: int, consumer_warps: int) -> int:
     """BLOCK_M: 16 rows per consumer warp, over the warpgroups that split D
-    (= triton_plan.cpp hopper_block_m)."""
+    (= triton_plan.cpp hopper_block_m). A D split takes exactly two warpgroups."""
+    if d_split(head_dim) > 1 and consumer_warps != 8:
+        raise ValueError(f"head dim {head_dim} needs 8 consumer warps (two warpgroups split D), got {consumer_warps}")
     return 16 * consumer_warps // d_split(head_dim)
 
 
@@ -612,8 +614,6 @@ def compile_variant(dtype_name: str = "bf16", head_dim: int = 128, mask_float: b
     bn = block_n or bn
     st = stages or st
     sig = signature(dtype_name, head_dim, bn, mask_float, wide)
-    if d_split(head_dim) > 1 and cw != 8:
-        raise ValueError(f"head dim {head_dim} needs 8 consumer warps (two warpgroups split D), got {cw}")
     constexprs = dict(D=head_dim, BLOCK_M=block_m_for(head_dim, cw), BLOCK_N=bn, STAGES=st, MASK_FLOAT=bool(mask_float),
                       HAS_SOFTCAP=bool(softcap), PRODUCER_REGS_=PRODUCER_REGS)
     attrs = {}
